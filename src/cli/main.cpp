@@ -1,0 +1,2 @@
+#include <cstdio>
+int main() { std::puts("moe: under construction"); return 0; }

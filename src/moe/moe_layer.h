@@ -1,0 +1,93 @@
+// Start here for src/moe: the Mixture-of-Experts FFN layer, single process.
+//
+// Phases, one file each, so the distributed strategies can put communication between them:
+//   router.*  gate: linear -> softmax -> top-k, gate weights, aux and z losses
+//   layout.*  expert-contiguous permutation of (token, choice) assignments; capacity dropping
+//   experts.* one FFN GEMM chain per expert over its contiguous rows (GELU or SwiGLU)
+//   combine.* gather rows into expert order; scale by gate weight and scatter back to tokens
+//
+// Math (the PyTorch reference in tests/ implements exactly this):
+//   logits[N,E] = x @ router^T;  probs = softmax(logits);  (idx, p)[N,K] = top-k of probs
+//   gate weight w = p (K == 1, Switch) or p / sum_k p (K > 1 and renormalize, GShard)
+//   y[n] = sum_k w[n,k] * FFN_{idx[n,k]}(x[n])            (dropped assignments contribute 0)
+//   FFN_e(x) = w2[e] @ act(w1[e] @ x)  (GELU)  or  w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))  (SwiGLU)
+//   aux  = E * sum_e f_e * P_e, f_e = share of the N*K top-k assignments (before dropping) that chose e,
+//          P_e = mean over tokens of probs[:, e]; gradient flows through P_e only (Switch Transformer).
+//   z    = mean over tokens of logsumexp(logits[n,:])^2 (ST-MoE router z-loss).
+//   The layer's loss contribution is aux_loss_weight * aux + z_loss_weight * z; backward() adds its
+//   gradient itself.
+//   Capacity (capacity_factor > 0): each expert keeps at most ceil(cf * N * K / E) assignments,
+//   filled in global order: all first choices in token order, then all second choices, ...
+//   (defined on the whole batch, so it does not depend on how ranks split it: DESIGN invariant 1).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace moe {
+
+enum class Activation { gelu, swiglu };
+
+struct MoeConfig {
+  int64_t d_model = 0;   // C
+  int64_t d_ffn = 0;     // F
+  int64_t n_experts = 0; // E
+  int64_t top_k = 1;     // K, 1 <= K <= E
+  Activation activation = Activation::gelu;
+  bool renormalize = true;        // K > 1: gate weights renormalized over the chosen K
+  float capacity_factor = 0.0f;   // 0 = dropless
+  float aux_loss_weight = 0.01f;
+  float z_loss_weight = 0.001f;
+};
+
+// Where each (token, choice) assignment went. Filled by the layout phase, read by every later phase.
+struct Routing {
+  int64_t N = 0, K = 0, E = 0;
+  std::vector<int32_t> expert;         // [N*K] chosen expert of assignment n*K+k (descending prob)
+  std::vector<float> prob;             // [N*K] router probability of that choice
+  std::vector<float> weight;           // [N*K] gate weight; 0 for a dropped assignment
+  std::vector<int64_t> expert_offset;  // [E+1] expert e owns permuted rows [off[e], off[e+1])
+  std::vector<int32_t> row_token;      // [R] token of each permuted row (rows of one expert in token order)
+  std::vector<int32_t> row_assignment; // [R] assignment index n*K+k of each permuted row
+  std::vector<int64_t> tokens_per_expert;  // [E] assignments kept per expert (the load statistic)
+  int64_t dropped = 0;                 // assignments dropped by capacity
+  int64_t rows() const { return expert_offset.empty() ? 0 : expert_offset.back(); }
+};
+
+// Parameters (names relative to `prefix`, e.g. "blocks.0.moe."):
+//   router.weight [E,C];  w1 [E,F,C];  w2 [E,C,F];  w3 [E,F,C] (SwiGLU only)
+// Thread safety: none. Buffers are sized for max_tokens at construction and reused.
+class MoeLayer {
+ public:
+  MoeLayer(const std::string& prefix, const MoeConfig& cfg, int64_t max_tokens);
+  const MoeConfig& config() const { return cfg_; }
+  std::vector<Param*> params();
+
+  // y = MoE(x). REQUIRES: N <= max_tokens. Records routing() and the losses.
+  void forward(float* y /*[N,C]*/, const float* x /*[N,C]*/, int64_t N);
+  // dx += d(loss)/dx given dy = d(loss)/dy; accumulates parameter gradients, including the
+  // aux/z-loss terms. REQUIRES: forward() on the same x just before.
+  void backward(float* dx /*[N,C]*/, const float* dy /*[N,C]*/);
+
+  float aux_loss() const { return aux_loss_; }   // unweighted
+  float z_loss() const { return z_loss_; }       // unweighted
+  // aux_loss_weight * aux + z_loss_weight * z: what this layer adds to the training loss.
+  float weighted_loss() const { return cfg_.aux_loss_weight * aux_loss_ + cfg_.z_loss_weight * z_loss_; }
+  const Routing& routing() const { return routing_; }
+
+ private:
+  MoeConfig cfg_;
+  int64_t max_tokens_;
+  Param router_, w1_, w2_, w3_;
+  Routing routing_;
+  float aux_loss_ = 0, z_loss_ = 0;
+  // activations and scratch, sized for max_tokens (see moe_layer.cpp for shapes)
+  const float* x_ = nullptr;
+  int64_t n_ = 0;
+  Tensor logits_, probs_, xp_, h1_, h3_, act_, outp_, dout_p_, dh_, dh3_, dact_, dxp_, dprobs_, dlogits_;
+};
+
+}  // namespace moe

@@ -1,0 +1,107 @@
+// CPU kernels: explicit forward and backward for every op the model uses (llm.c style).
+//
+// Conventions (the contract for every function below):
+//  - Raw row-major f32 pointers; shapes in the comment beside each argument (letters: tensor.h).
+//  - Forward functions overwrite their outputs.
+//  - Backward functions ACCUMULATE (+=) into every gradient they write, so a tensor used twice
+//    (residual streams, tied embeddings) just receives two calls. Callers zero gradients per step.
+//    A null gradient pointer means "not needed" and is skipped.
+//  - Kernels are multi-threaded with OpenMP; none allocates except where stated.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moe {
+
+// ---- GEMM -----------------------------------------------------------------------------------
+// C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op(X) = X^T when trans_x.
+// The backend (oneDNN's dnnl_sgemm or OpenBLAS's cblas_sgemm) is chosen once per process by
+// timing both on a representative shape; MOE_GEMM=onednn|openblas forces one.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Which backend gemm() uses, and why (e.g. "onednn (measured 101 vs 22 GFLOP/s)").
+std::string gemm_backend();
+// The same GEMM through a named backend ("onednn" or "openblas"); for benchmarks and tests.
+void gemm_with(const std::string& backend, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+               float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+               int64_t ldc);
+
+// ---- linear (no bias), PyTorch layout: weight [OC, IC] ------------------------------------
+void linear_forward(float* out /*[N,OC]*/, const float* inp /*[N,IC]*/, const float* weight /*[OC,IC]*/,
+                    int64_t N, int64_t IC, int64_t OC);
+void linear_backward(float* dinp /*[N,IC] or null*/, float* dweight /*[OC,IC] or null*/,
+                     const float* dout /*[N,OC]*/, const float* inp /*[N,IC]*/, const float* weight /*[OC,IC]*/,
+                     int64_t N, int64_t IC, int64_t OC);
+
+// ---- elementwise ------------------------------------------------------------------------------
+void add_inplace(float* a, const float* b, int64_t n);                     // a += b
+void scale_inplace(float* a, float s, int64_t n);                          // a *= s
+// GELU, tanh approximation (PyTorch approximate="tanh", GPT-2).
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
+// SwiGLU: out = silu(gate) * up.
+void swiglu_forward(float* out /*[n]*/, const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n);
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n);
+
+// ---- softmax and top-k over the last dimension ---------------------------------------------
+void softmax_forward(float* out /*[N,D]*/, const float* inp /*[N,D]*/, int64_t N, int64_t D);
+void softmax_backward(float* dinp /*[N,D]*/, const float* dout /*[N,D]*/, const float* out /*[N,D]*/,
+                      int64_t N, int64_t D);
+// Largest K entries of each row, in descending order; ties go to the lower index (as torch.topk
+// does on CPU for distinct values; equal values are rare for float router logits).
+void topk_forward(float* values /*[N,K]*/, int32_t* indices /*[N,K]*/, const float* inp /*[N,D]*/,
+                  int64_t N, int64_t D, int64_t K);
+
+// ---- norms --------------------------------------------------------------------------------------
+// LayerNorm with affine weight and bias; saves mean and rstd for backward.
+void layernorm_forward(float* out /*[N,C]*/, float* mean /*[N]*/, float* rstd /*[N]*/, const float* inp /*[N,C]*/,
+                       const float* weight /*[C]*/, const float* bias /*[C]*/, int64_t N, int64_t C, float eps);
+void layernorm_backward(float* dinp /*[N,C]*/, float* dweight /*[C]*/, float* dbias /*[C]*/, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd,
+                        int64_t N, int64_t C);
+// RMSNorm: out = inp * rstd * weight, rstd = 1/sqrt(mean(inp^2) + eps).
+void rmsnorm_forward(float* out /*[N,C]*/, float* rstd /*[N]*/, const float* inp /*[N,C]*/,
+                     const float* weight /*[C]*/, int64_t N, int64_t C, float eps);
+void rmsnorm_backward(float* dinp /*[N,C]*/, float* dweight /*[C]*/, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
+
+// ---- causal multi-head self-attention ------------------------------------------------------
+// qkv holds q, k, v side by side per token: [B,T,3C] with head h's q at columns [h*HS, (h+1)*HS).
+// att saves the softmax probabilities for backward; preatt is scratch of the same size.
+// Scale 1/sqrt(HS); position t attends to positions <= t.
+void attention_forward(float* out /*[B,T,C]*/, float* preatt /*[B,NH,T,T]*/, float* att /*[B,NH,T,T]*/,
+                       const float* qkv /*[B,T,3C]*/, int64_t B, int64_t T, int64_t C, int64_t NH);
+// datt and dpreatt are scratch [B,NH,T,T] (overwritten).
+void attention_backward(float* dqkv /*[B,T,3C]*/, float* datt, float* dpreatt, const float* dout /*[B,T,C]*/,
+                        const float* qkv, const float* att, int64_t B, int64_t T, int64_t C, int64_t NH);
+
+// ---- embeddings -----------------------------------------------------------------------------
+// out[b,t] = wte[tokens[b,t]] + wpe[t]
+void embedding_forward(float* out /*[B,T,C]*/, const int32_t* tokens /*[B,T]*/, const float* wte /*[V,C]*/,
+                       const float* wpe /*[T,C]*/, int64_t B, int64_t T, int64_t C);
+void embedding_backward(float* dwte /*[V,C]*/, float* dwpe /*[T,C]*/, const float* dout /*[B,T,C]*/,
+                        const int32_t* tokens, int64_t B, int64_t T, int64_t C);
+
+// ---- loss -------------------------------------------------------------------------------------
+// Softmax cross-entropy from logits; saves probs; returns the mean loss over the N rows.
+double cross_entropy_forward(float* probs /*[N,V]*/, const float* logits /*[N,V]*/, const int32_t* targets /*[N]*/,
+                             int64_t N, int64_t V);
+// dlogits += dloss * (probs - onehot(target)) / N
+void cross_entropy_backward(float* dlogits /*[N,V]*/, const float* probs /*[N,V]*/, const int32_t* targets /*[N]*/,
+                            int64_t N, int64_t V, float dloss);
+
+// ---- token rows by index (permute / un-permute) ---------------------------------------------
+// out[r] = inp[index[r]]
+void gather_rows(float* out /*[R,C]*/, const float* inp /*[N,C]*/, const int32_t* index /*[R]*/, int64_t R, int64_t C);
+// out[index[r]] += scale[r] * inp[r] (scale may be null = 1). Rows sharing an index are summed in
+// increasing r, so results do not depend on thread count.
+void scatter_add_rows(float* out /*[N,C]*/, const float* inp /*[R,C]*/, const int32_t* index /*[R]*/,
+                      const float* scale /*[R] or null*/, int64_t R, int64_t N, int64_t C);
+
+// ---- optimizer ------------------------------------------------------------------------------
+// One decoupled-weight-decay Adam step (PyTorch AdamW), step t >= 1 (bias correction).
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, int64_t t);
+
+}  // namespace moe
