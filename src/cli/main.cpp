@@ -1,2 +1,31 @@
+// The `moe` command: train, bench. Each subcommand validates everything before any work and
+// exits non-zero with one clear message on bad input.
 #include <cstdio>
-int main() { std::puts("moe: under construction"); return 0; }
+#include <exception>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe: Mixture-of-Experts training on real ranks (see README.md)"};
+  app.require_subcommand(1);
+  moe::cli::TrainFlags train;
+  CLI::App* train_cmd = moe::cli::add_train_command(app, &train);
+  moe::cli::BenchFlags bench;
+  CLI::App* bench_cmd = moe::cli::add_bench_command(app, &bench);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (train_cmd->parsed()) return moe::cli::run_train(*train_cmd, train);
+    if (bench_cmd->parsed()) return moe::cli::run_bench(bench);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moe: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,31 @@
+// Subcommands of the `moe` command line. Flags map onto the config types of src/; the run_*
+// functions return the process exit code.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "runtime/train_config.h"
+
+namespace moe::cli {
+
+// `moe train`: flags override the JSON of --config, which overrides the defaults.
+struct TrainFlags {
+  std::string config_file;
+  TrainConfig cfg;  // flag targets; only flags actually given are applied over the JSON
+};
+CLI::App* add_train_command(CLI::App& app, TrainFlags* flags);
+int run_train(const CLI::App& cmd, TrainFlags& flags);
+
+// `moe bench <name>`
+struct BenchFlags {
+  std::string name;
+  int threads = 2;
+  int repeats = 5;
+  bool skip_torch = false;
+};
+CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
+int run_bench(const BenchFlags& flags);
+
+}  // namespace moe::cli

@@ -1,0 +1,146 @@
+#include "runtime/train_config.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace moe {
+namespace {
+
+using json = nlohmann::json;
+
+// Reads j[key] into *v when present, with a type check that names the key.
+template <typename T>
+Status read_key(const json& j, const char* key, T* v) {
+  auto it = j.find(key);
+  if (it == j.end()) return Status::ok();
+  const json& x = *it;
+  if constexpr (std::is_same_v<T, std::string>) {
+    if (!x.is_string()) return Status::error(std::string("config: '") + key + "' must be a string");
+    *v = x.get<std::string>();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!x.is_number_integer()) return Status::error(std::string("config: '") + key + "' must be an integer");
+    if constexpr (std::is_unsigned_v<T>) {
+      if (x.is_number_unsigned() || x.get<int64_t>() >= 0) { *v = x.get<T>(); return Status::ok(); }
+      return Status::error(std::string("config: '") + key + "' must be non-negative");
+    }
+    *v = x.get<T>();
+  } else {
+    if (!x.is_number()) return Status::error(std::string("config: '") + key + "' must be a number");
+    *v = x.get<T>();
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status TrainConfig::validate() const {
+  auto fail = [](const std::string& m) { return Status::error("config: " + m); };
+  if (Status s = model.validate(); !s) return s;
+  if (steps < 1) return fail("steps (" + std::to_string(steps) + ") must be >= 1");
+  if (batch_size < 1) return fail("batch_size (" + std::to_string(batch_size) + ") must be >= 1");
+  if (!(lr > 0)) return fail("lr must be > 0");
+  if (!(min_lr >= 0) || min_lr > lr) return fail("min_lr must be in [0, lr]");
+  if (warmup_steps < 0) return fail("warmup_steps must be >= 0");
+  if (!(weight_decay >= 0)) return fail("weight_decay must be >= 0");
+  if (!(grad_clip >= 0)) return fail("grad_clip must be >= 0 (0 disables)");
+  if (!(beta1 >= 0 && beta1 < 1) || !(beta2 >= 0 && beta2 < 1)) return fail("beta1 and beta2 must be in [0, 1)");
+  if (!(val_fraction > 0 && val_fraction < 0.5)) return fail("val_fraction must be in (0, 0.5)");
+  if (log_every < 1) return fail("log_every must be >= 1");
+  if (eval_every < 0) return fail("eval_every must be >= 0");
+  if (eval_batches < 1) return fail("eval_batches must be >= 1");
+  if (checkpoint_every < 0) return fail("checkpoint_every must be >= 0");
+  if (checkpoint_every > 0 && checkpoint_dir.empty()) return fail("checkpoint_every needs checkpoint_dir");
+  if (threads < 0) return fail("threads must be >= 0");
+  namespace fs = std::filesystem;
+  if (!metrics.empty()) {
+    fs::path parent = fs::absolute(metrics).parent_path();
+    if (!fs::is_directory(parent)) return fail("metrics: directory " + parent.string() + " does not exist");
+  }
+  if (!checkpoint_dir.empty()) {
+    fs::path parent = fs::absolute(checkpoint_dir).parent_path();
+    if (!fs::is_directory(parent)) return fail("checkpoint_dir: directory " + parent.string() + " does not exist");
+  }
+  if (!resume.empty() && !fs::is_directory(resume)) return fail("resume: no checkpoint directory " + resume);
+  return Status::ok();
+}
+
+json TrainConfig::to_json() const {
+  return json{{"data", data},
+              {"steps", steps},
+              {"batch_size", batch_size},
+              {"lr", lr},
+              {"min_lr", min_lr},
+              {"warmup_steps", warmup_steps},
+              {"weight_decay", weight_decay},
+              {"grad_clip", grad_clip},
+              {"beta1", beta1},
+              {"beta2", beta2},
+              {"seed", seed},
+              {"val_fraction", val_fraction},
+              {"log_every", log_every},
+              {"eval_every", eval_every},
+              {"eval_batches", eval_batches},
+              {"metrics", metrics},
+              {"checkpoint_dir", checkpoint_dir},
+              {"checkpoint_every", checkpoint_every},
+              {"resume", resume},
+              {"threads", threads},
+              {"model", model.to_json()}};
+}
+
+Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
+  if (!j.is_object()) return Status::error("config: top level must be a JSON object");
+  TrainConfig c = *out;
+  static const char* kKeys[] = {"data", "steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay",
+                                "grad_clip", "beta1", "beta2", "seed", "val_fraction", "log_every", "eval_every",
+                                "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
+                                "threads", "model"};
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    bool known = false;
+    for (const char* k : kKeys) known = known || it.key() == k;
+    if (!known) return Status::error("config: unknown key '" + it.key() + "'");
+  }
+  Status s;
+  if ((s = read_key(j, "data", &c.data)) && (s = read_key(j, "steps", &c.steps)) &&
+      (s = read_key(j, "batch_size", &c.batch_size)) && (s = read_key(j, "lr", &c.lr)) &&
+      (s = read_key(j, "min_lr", &c.min_lr)) && (s = read_key(j, "warmup_steps", &c.warmup_steps)) &&
+      (s = read_key(j, "weight_decay", &c.weight_decay)) && (s = read_key(j, "grad_clip", &c.grad_clip)) &&
+      (s = read_key(j, "beta1", &c.beta1)) && (s = read_key(j, "beta2", &c.beta2)) &&
+      (s = read_key(j, "seed", &c.seed)) && (s = read_key(j, "val_fraction", &c.val_fraction)) &&
+      (s = read_key(j, "log_every", &c.log_every)) && (s = read_key(j, "eval_every", &c.eval_every)) &&
+      (s = read_key(j, "eval_batches", &c.eval_batches)) && (s = read_key(j, "metrics", &c.metrics)) &&
+      (s = read_key(j, "checkpoint_dir", &c.checkpoint_dir)) &&
+      (s = read_key(j, "checkpoint_every", &c.checkpoint_every)) && (s = read_key(j, "resume", &c.resume)) &&
+      (s = read_key(j, "threads", &c.threads))) {
+  }
+  if (!s) return s;
+  if (auto it = j.find("model"); it != j.end()) {
+    // Model keys merge over the current model config, like the training keys.
+    json merged = c.model.to_json();
+    if (!it->is_object()) return Status::error("config: 'model' must be an object");
+    for (auto m = it->begin(); m != it->end(); ++m) {
+      if (!merged.contains(m.key())) return Status::error("config: unknown key 'model." + m.key() + "'");
+      merged[m.key()] = *m;
+    }
+    if (Status ms = ModelConfig::from_json(merged, &c.model); !ms) return ms;
+  }
+  *out = c;
+  return Status::ok();
+}
+
+Status TrainConfig::merge_file(const std::string& path, TrainConfig* out) {
+  std::ifstream f(path);
+  if (!f) return Status::error("config: cannot open '" + path + "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::error("config: '" + path + "' is not valid JSON");
+  Status s = merge_json(j, out);
+  if (!s) return Status::error(s.message() + " (in " + path + ")");
+  return s;
+}
+
+}  // namespace moe

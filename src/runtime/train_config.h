@@ -1,0 +1,54 @@
+// TrainConfig: everything `moe train` needs, from a JSON file and/or flags, validated before any work.
+//
+// JSON layout (every key optional; unknown keys are errors):
+//   { "steps": 600, "batch_size": 16, "lr": 0.003, ..., "model": { <ModelConfig keys> } }
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "model/config.h"
+#include "util/status.h"
+
+namespace moe {
+
+// The default corpus: the Python 3.11 documentation sources, installed by scripts/setup.sh from
+// Debian's python3.11-doc. Real English text with code, about 11 MB.
+inline constexpr const char* kDefaultCorpus = "/usr/share/doc/python3.11/html/_sources";
+inline constexpr const char* kDefaultCorpusSuffix = ".rst.txt";
+
+struct TrainConfig {
+  ModelConfig model;
+  std::string data;               // text file or folder; empty = the default corpus
+  int64_t steps = 1000;           // optimizer steps in the whole run (a resumed run continues to it)
+  int64_t batch_size = 16;        // sequences of model.seq_len tokens per step (the global batch)
+  double lr = 3e-3;               // peak learning rate
+  double min_lr = 3e-4;           // cosine decay floor
+  int64_t warmup_steps = 50;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;         // global L2 norm; 0 disables
+  double beta1 = 0.9, beta2 = 0.95;
+  uint64_t seed = 1337;           // weights and batch order
+  double val_fraction = 0.05;     // held-out share of the corpus
+  int64_t log_every = 25;         // progress line every N steps
+  int64_t eval_every = 250;       // validation loss every N steps (and at the end); 0 = only at the end
+  int64_t eval_batches = 16;
+  std::string metrics;            // JSON-lines file; empty = none
+  std::string checkpoint_dir;     // where checkpoints go; empty = none
+  int64_t checkpoint_every = 0;   // also every N steps; the final one is always written if dir set
+  std::string resume;             // checkpoint directory to resume from
+  int threads = 0;                // OpenMP threads; 0 = all cores
+
+  // Every field and combination; the message names the key and value.
+  Status validate() const;
+  nlohmann::json to_json() const;
+  // Applies the keys present in `j` over *out's current values (so flags can then override).
+  // Unknown keys and wrong types are errors naming the key; *out is unchanged on error.
+  static Status merge_json(const nlohmann::json& j, TrainConfig* out);
+  // Reads and merges a JSON file; errors name the file (missing, unreadable, malformed JSON).
+  static Status merge_file(const std::string& path, TrainConfig* out);
+};
+
+}  // namespace moe

@@ -1,0 +1,7 @@
+#include "runtime/trainer.h"
+
+namespace moe {
+
+Status run_training(const TrainConfig& cfg) { return Status::error("train: not built yet"); }
+
+}  // namespace moe
