@@ -1,0 +1,21 @@
+// Benchmarks behind `moe bench <name>`. Each prints a fixed table with the reference it is judged
+// against measured in the same run (this machine's GEMM rate, a PyTorch peer) and the ratio:
+// machines here are shared and noisy, ratios measured side by side are what hold.
+#pragma once
+
+#include <string>
+
+namespace moe::bench {
+
+struct BenchOptions {
+  int threads = 2;
+  int repeats = 5;         // timed repetitions per row; the median is reported
+  bool skip_torch = false; // leave out the PyTorch peer rows
+};
+
+// d_model 512, d_ffn 2048, 8 experts, top-2, 4096 tokens: GEMM rate on the expert shapes per
+// backend, the MoE layer forward and forward+backward, the expert GEMMs' share of the GEMM rate,
+// and the PyTorch peer (bench/torch_moe_layer_peer.py). Returns the exit code.
+int moe_layer(const BenchOptions& opt);
+
+}  // namespace moe::bench

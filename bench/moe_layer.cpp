@@ -1,0 +1,198 @@
+// moe bench moe-layer: see bench.h.
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "moe/experts.h"
+#include "moe/moe_layer.h"
+#include "tensor/ops.h"
+#include "tensor/tensor.h"
+
+namespace moe::bench {
+namespace {
+
+constexpr int64_t kC = 512, kF = 2048, kE = 8, kK = 2, kN = 4096;
+
+double median_ms(int repeats, const std::function<void()>& fn) {
+  fn();  // warm-up: first-touch pages, GEMM backend probe
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void fill(Tensor& t, uint64_t seed, float scale) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < t.numel(); ++i) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;  // xorshift: cheap, deterministic
+    t[i] = scale * (static_cast<float>(s >> 40) / static_cast<float>(1 << 24) - 0.5f);
+  }
+}
+
+// The six GEMMs one expert's GELU FFN runs per step (forward 2, backward 4), on M rows.
+struct GemmCall { bool ta, tb; int64_t M, N, K; };
+std::array<GemmCall, 6> expert_gemms(int64_t M) {
+  return {{{false, true, M, kF, kC},    // h1 = xp @ w1^T
+           {false, true, M, kC, kF},    // out = act @ w2^T
+           {false, false, M, kF, kC},   // dact = dout @ w2
+           {true, false, kC, kF, M},    // dw2 += dout^T @ act
+           {false, false, M, kC, kF},   // dxp = dh1 @ w1
+           {true, false, kF, kC, M}}};  // dw1 += dh1^T @ xp
+}
+
+struct Row { std::string name; double ms, tokens_per_s, gflops; std::string note; };
+
+void print_row(const Row& r) {
+  std::printf("| %-44s | %9.2f | %10.0f | %8.1f | %-34s |\n", r.name.c_str(), r.ms, r.tokens_per_s, r.gflops,
+              r.note.c_str());
+}
+
+std::string script_path() {
+  if (const char* p = std::getenv("MOE_BENCH_DIR")) return std::string(p) + "/torch_moe_layer_peer.py";
+  return std::string(MOE_SOURCE_DIR) + "/bench/torch_moe_layer_peer.py";
+}
+
+// Runs the PyTorch peer with OpenBLAS forced to `coretype`; false if it could not run.
+bool run_peer(const std::string& coretype, int threads, int repeats, double* fwd_ms, double* fwdbwd_ms) {
+  std::string cmd = "OPENBLAS_CORETYPE=" + coretype + " OMP_NUM_THREADS=" + std::to_string(threads) +
+                    " /usr/bin/python3 " + script_path() + " --threads " + std::to_string(threads) +
+                    " --repeats " + std::to_string(repeats) + " 2>/dev/null";
+  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), pclose);
+  if (!p) return false;
+  std::string out;
+  char buf[512];
+  while (fgets(buf, sizeof buf, p.get())) out += buf;
+  auto j = nlohmann::json::parse(out, nullptr, false);
+  if (j.is_discarded() || !j.contains("forward_ms")) return false;
+  *fwd_ms = j["forward_ms"].get<double>();
+  *fwdbwd_ms = j["forward_backward_ms"].get<double>();
+  return true;
+}
+
+}  // namespace
+
+int moe_layer(const BenchOptions& opt) {
+  omp_set_num_threads(opt.threads);
+  std::printf("moe bench moe-layer: d_model=%ld d_ffn=%ld experts=%ld top-%ld tokens=%ld gelu threads=%d, "
+              "median of %d\n",
+              kC, kF, kE, kK, kN, opt.threads, opt.repeats);
+
+  MoeConfig cfg;
+  cfg.d_model = kC, cfg.d_ffn = kF, cfg.n_experts = kE, cfg.top_k = kK;
+  MoeLayer layer("moe.", cfg, kN);
+  uint64_t seed = 1;
+  for (Param* p : layer.params()) fill(p->value, seed++, 0.05f);
+  Tensor x({kN, kC}), y({kN, kC}), dy({kN, kC}), dx({kN, kC});
+  fill(x, 100, 2.0f);
+  fill(dy, 101, 1.0f);
+  layer.forward(y.data(), x.data(), kN);
+  std::printf("GEMM backend: %s\n", gemm_backend().c_str());
+  const Routing& r = layer.routing();
+  int64_t R = r.rows();
+  int64_t max_rows = *std::max_element(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
+  std::printf("routing: %ld rows, expert load max/mean %.2f\n\n", R, max_rows / (double(R) / kE));
+
+  std::printf("| %-44s | %9s | %10s | %8s | %-34s |\n", "measurement", "ms", "tokens/s", "GFLOP/s", "note");
+  std::printf("|%s|%s|%s|%s|%s|\n", std::string(46, '-').c_str(), std::string(11, '-').c_str(),
+              std::string(12, '-').c_str(), std::string(10, '-').c_str(), std::string(36, '-').c_str());
+
+  // 1. This machine's GEMM rate on the expert shapes (balanced rows per expert), each backend.
+  int64_t M = R / kE;
+  Tensor a({std::max(M, kF), kF}), b({kF, kF}), c({std::max(M, kF), kF});
+  fill(a, 7, 1.0f), fill(b, 8, 1.0f);
+  double gemm_flops = 0;
+  for (const GemmCall& g : expert_gemms(M)) gemm_flops += 2.0 * g.M * g.N * g.K;
+  double gemm_rate = 0;
+  std::string chosen = gemm_backend().substr(0, gemm_backend().find(' '));
+  for (const char* backend : {"onednn", "openblas"}) {
+    double ms = median_ms(opt.repeats, [&] {
+      for (const GemmCall& g : expert_gemms(M))
+        gemm_with(backend, g.ta, g.tb, g.M, g.N, g.K, 1.0f, a.data(), g.ta ? g.M : g.K, b.data(),
+                  g.tb ? g.K : g.N, 0.0f, c.data(), g.N);
+    });
+    double rate = gemm_flops / (ms * 1e6);
+    if (backend == chosen) gemm_rate = rate;
+    print_row({std::string("GEMM, expert shapes x6, ") + backend, ms, 0, rate,
+               backend == chosen ? "<- chosen; the reference rate" : ""});
+  }
+
+  // 2. The MoE layer.
+  double expert_flops_fwd = 2.0 * R * kC * kF * 2;
+  double router_flops_fwd = 2.0 * kN * kC * kE;
+  double fwd_ms = median_ms(opt.repeats, [&] { layer.forward(y.data(), x.data(), kN); });
+  double fwdbwd_ms = median_ms(opt.repeats, [&] {
+    for (Param* p : layer.params()) p->grad.zero();
+    dx.zero();
+    layer.forward(y.data(), x.data(), kN);
+    layer.backward(dx.data(), dy.data());
+  });
+  print_row({"MoE layer forward", fwd_ms, kN / (fwd_ms * 1e-3), (expert_flops_fwd + router_flops_fwd) / (fwd_ms * 1e6),
+             ""});
+  print_row({"MoE layer forward+backward", fwdbwd_ms, kN / (fwdbwd_ms * 1e-3),
+             3 * (expert_flops_fwd + router_flops_fwd) / (fwdbwd_ms * 1e6), ""});
+
+  // 3. The experts phase alone (the layer's GEMM chains over its permuted rows).
+  ExpertShape s{kE, kC, kF, Activation::gelu};
+  Tensor xp({R, kC}), out({R, kC}), h1({R, kF}), act({R, kF}), dout({R, kC}), dxp({R, kC}), dact({R, kF}),
+      dh1({R, kF});
+  fill(xp, 9, 2.0f), fill(dout, 10, 1.0f);
+  Param *w1 = nullptr, *w2 = nullptr;
+  for (Param* p : layer.params()) {
+    if (p->name == "moe.w1") w1 = p;
+    if (p->name == "moe.w2") w2 = p;
+  }
+  if (!w1 || !w2) throw std::logic_error("bench: MoE layer has no moe.w1 / moe.w2");
+  double experts_ms = median_ms(opt.repeats, [&] {
+    experts_forward(out.data(), h1.data(), nullptr, act.data(), xp.data(), r.expert_offset.data(), w1->value.data(),
+                    w2->value.data(), nullptr, s);
+    experts_backward(dxp.data(), w1->grad.data(), w2->grad.data(), nullptr, dact.data(), dh1.data(), nullptr,
+                     dout.data(), xp.data(), h1.data(), nullptr, act.data(), r.expert_offset.data(),
+                     w1->value.data(), w2->value.data(), nullptr, s);
+  });
+  double experts_rate = 3 * expert_flops_fwd / (experts_ms * 1e6);
+  char note[64];
+  std::snprintf(note, sizeof note, "%.0f%% of GEMM rate (target >= 85%%)", 100 * experts_rate / gemm_rate);
+  print_row({"experts fwd+bwd (GEMM chains + activation)", experts_ms, kN / (experts_ms * 1e-3), experts_rate, note});
+  std::snprintf(note, sizeof note, "experts are %.0f%% of layer time", 100 * experts_ms / fwdbwd_ms);
+  print_row({"  rest of the layer (router, permute, combine)", fwdbwd_ms - experts_ms, 0, 0, note});
+
+  // 4. The PyTorch peer, at its best of the two AVX-512 OpenBLAS kernels.
+  if (!opt.skip_torch) {
+    double best_fwd = 0, best_fb = 0;
+    std::string best_core;
+    for (const char* core : {"SkylakeX", "Cooperlake"}) {
+      double f, fb;
+      if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) continue;
+      print_row({std::string("PyTorch peer fwd+bwd, OPENBLAS_CORETYPE=") + core, fb, kN / (fb * 1e-3),
+                 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6), ""});
+      if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core;
+    }
+    if (best_fb == 0) {
+      std::printf("\nPyTorch peer could not run (/usr/bin/python3 with torch: scripts/setup.sh --test)\n");
+      return 1;
+    }
+    std::printf("\nforward:          moe %.0f tokens/s, PyTorch peer (%s) %.0f tokens/s: %.2fx\n",
+                kN / (fwd_ms * 1e-3), best_core.c_str(), kN / (best_fwd * 1e-3), best_fwd / fwd_ms);
+    std::printf("forward+backward: moe %.0f tokens/s, PyTorch peer (%s) %.0f tokens/s: %.2fx (target >= 2x)\n",
+                kN / (fwdbwd_ms * 1e-3), best_core.c_str(), kN / (best_fb * 1e-3), best_fb / fwdbwd_ms);
+  }
+  return 0;
+}
+
+}  // namespace moe::bench
