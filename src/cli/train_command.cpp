@@ -53,6 +53,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind(c, f, "--checkpoint-dir", &TrainConfig::checkpoint_dir, "write checkpoints to DIR");
   bind(c, f, "--checkpoint-every", &TrainConfig::checkpoint_every, "checkpoint every N steps too");
   bind(c, f, "--resume", &TrainConfig::resume, "resume from checkpoint DIR");
+  bind(c, f, "--stop-at-step", &TrainConfig::stop_at_step, "stop at step N with a checkpoint (schedule unchanged)");
   bind(c, f, "--threads", &TrainConfig::threads, "compute threads (0: all cores)");
   bind_model(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");
   bind_model(c, f, "--d-model", &ModelConfig::d_model, "model width C");

@@ -39,6 +39,7 @@ struct TrainConfig {
   std::string checkpoint_dir;     // where checkpoints go; empty = none
   int64_t checkpoint_every = 0;   // also every N steps; the final one is always written if dir set
   std::string resume;             // checkpoint directory to resume from
+  int64_t stop_at_step = 0;       // stop early at this step (checkpoint written), schedule unchanged; 0 = run to steps
   int threads = 0;                // OpenMP threads; 0 = all cores
 
   // Every field and combination; the message names the key and value.
