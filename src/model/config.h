@@ -45,7 +45,8 @@ struct ModelConfig {
 
   // Every field, under its C++ name.
   nlohmann::json to_json() const;
-  // Reads a config from a JSON object. Keys absent from `j` keep their defaults. Unknown keys, values
+  // Reads a config from a JSON object into *out. Keys absent from `j` keep the values *out already
+  // has (the defaults for a fresh ModelConfig), so JSON can be layered over a base. Unknown keys, values
   // of the wrong type (e.g. a string or a float for an integer field) and configs that fail
   // validate() are reported as an error Status naming the key; no exception escapes. On error *out
   // is left unchanged.

@@ -84,10 +84,17 @@ class MoeLayer {
   Param router_, w1_, w2_, w3_;
   Routing routing_;
   float aux_loss_ = 0, z_loss_ = 0;
-  // activations and scratch, sized for max_tokens (see moe_layer.cpp for shapes)
+  // Saved by forward for backward (x_ is the caller's buffer, which must stay unchanged until backward).
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  Tensor logits_, probs_, xp_, h1_, h3_, act_, outp_, dout_p_, dh_, dh3_, dact_, dxp_, dprobs_, dlogits_;
+  // Buffers sized at construction for max_tokens (NK = max_tokens * K rows at most); shapes:
+  //   logits_, probs_, dprobs_, dlogits_ [N,E]; lse_ [N]; load_frac_, mean_prob_ [E]
+  //   xp_, outp_, dout_p_, dxp_ [NK,C]; h1_, h3_ (SwiGLU), act_, dact_, dh_, dh3_ (SwiGLU) [NK,F]
+  //   row_weight_ [NK]; dgate_ [NK]
+  Tensor logits_, probs_, lse_, load_frac_, mean_prob_;
+  Tensor xp_, h1_, h3_, act_, outp_, row_weight_;
+  Tensor dout_p_, dgate_, dh_, dh3_, dact_, dxp_, dprobs_, dlogits_;
+  std::vector<int64_t> layout_scratch_;  // [layout_scratch_size(E, K)], see layout.h
 };
 
 }  // namespace moe

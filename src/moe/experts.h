@@ -1,0 +1,40 @@
+// Experts phase: the FFN of every expert over its contiguous rows, as ONE GEMM chain per expert
+// (no per-token loops). Needs no router: only a row buffer and per-expert row offsets, so a
+// distributed runtime can run it on the rows an all-to-all delivered to its local experts.
+//
+//   rows [off[e], off[e+1]) of xp belong to expert e (0 <= e < E; E = the experts in the weight
+//   buffers passed, e.g. a rank's local experts), and for those rows
+//   GELU:   h1 = xp @ w1[e]^T;                 act = gelu(h1);           out = act @ w2[e]^T
+//   SwiGLU: h1 = xp @ w1[e]^T; h3 = xp @ w3[e]^T; act = silu(h1) * h3;  out = act @ w2[e]^T
+// Weights: w1 [E,F,C], w2 [E,C,F], w3 [E,F,C] (PyTorch Linear layout per expert).
+// Only rows [off[0], off[E]) of the row buffers are read or written.
+#pragma once
+
+#include <cstdint>
+
+#include "moe/moe_layer.h"
+
+namespace moe {
+
+struct ExpertShape {
+  int64_t E = 0, C = 0, F = 0;
+  Activation activation = Activation::gelu;
+};
+
+// Forward. OVERWRITES out, h1, act (and h3 for SwiGLU), which backward needs unchanged.
+// h3 and w3 may be null for GELU. REQUIRES: off non-decreasing; buffers hold off[E] rows.
+void experts_forward(float* out /*[R,C]*/, float* h1 /*[R,F]*/, float* h3 /*[R,F] or null*/, float* act /*[R,F]*/,
+                     const float* xp /*[R,C]*/, const int64_t* off /*[E+1]*/, const float* w1, const float* w2,
+                     const float* w3, const ExpertShape& s);
+
+// Backward. dxp is OVERWRITTEN (the row buffer is per step, like the forward output);
+// dw1, dw2, dw3 ACCUMULATE (ops.h convention; null = skip). dact, dh1 (and dh3 for SwiGLU) are
+// scratch [R,F], overwritten. REQUIRES: experts_forward with the same xp/off/weights just before
+// and its h1, h3, act unchanged.
+void experts_backward(float* dxp /*[R,C]*/, float* dw1 /*[E,F,C]*/, float* dw2 /*[E,C,F]*/,
+                      float* dw3 /*[E,F,C] or null*/, float* dact /*[R,F]*/, float* dh1 /*[R,F]*/,
+                      float* dh3 /*[R,F] or null*/, const float* dout /*[R,C]*/, const float* xp /*[R,C]*/,
+                      const float* h1, const float* h3, const float* act, const int64_t* off /*[E+1]*/,
+                      const float* w1, const float* w2, const float* w3, const ExpertShape& s);
+
+}  // namespace moe

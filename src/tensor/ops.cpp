@@ -1,0 +1,425 @@
+// CPU kernels of ops.h (GEMM itself lives in gemm.cpp). Reductions that feed the loss run in
+// double; everything is deterministic for a given thread count, and scatters are deterministic for
+// any thread count (each thread owns a column range and walks rows in order).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "tensor/ops.h"
+
+namespace moe {
+
+// ---- linear -------------------------------------------------------------------------------------
+
+void linear_forward(float* out, const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC) {
+  gemm(false, true, N, OC, IC, 1.0f, inp, IC, weight, IC, 0.0f, out, OC);  // out = inp @ W^T
+}
+
+void linear_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                     int64_t N, int64_t IC, int64_t OC) {
+  if (dinp) gemm(false, false, N, IC, OC, 1.0f, dout, OC, weight, IC, 1.0f, dinp, IC);     // += dout @ W
+  if (dweight) gemm(true, false, OC, IC, N, 1.0f, dout, OC, inp, IC, 1.0f, dweight, IC);  // += dout^T @ inp
+}
+
+// ---- elementwise -------------------------------------------------------------------------------
+
+void add_inplace(float* a, const float* b, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+void scale_inplace(float* a, float s, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) a[i] *= s;
+}
+
+namespace {
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+}  // namespace
+
+void gelu_forward(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float x = inp[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+  }
+}
+
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float x = inp[i];
+    float u = kGeluScale * (x + 0.044715f * x * x * x);
+    float th = std::tanh(u);
+    float sech2 = 1.0f - th * th;
+    float grad = 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] += grad * dout[i];
+  }
+}
+
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+}
+
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float g = gate[i], s = sigmoid(g);
+    float silu = g * s;
+    if (dgate) dgate[i] += dout[i] * up[i] * s * (1.0f + g * (1.0f - s));
+    if (dup) dup[i] += dout[i] * silu;
+  }
+}
+
+// ---- softmax / top-k -----------------------------------------------------------------------------
+
+void softmax_forward(float* out, const float* inp, int64_t N, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * D;
+    float* y = out + n * D;
+    float mx = -INFINITY;
+    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, x[d]);
+    double sum = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      y[d] = std::exp(x[d] - mx);
+      sum += y[d];
+    }
+    float inv = static_cast<float>(1.0 / sum);
+    for (int64_t d = 0; d < D; ++d) y[d] *= inv;
+  }
+}
+
+void softmax_backward(float* dinp, const float* dout, const float* out, int64_t N, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* dy = dout + n * D;
+    const float* y = out + n * D;
+    double dot = 0;
+    for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(dy[d]) * y[d];
+    float fdot = static_cast<float>(dot);
+    for (int64_t d = 0; d < D; ++d) dinp[n * D + d] += y[d] * (dy[d] - fdot);
+  }
+}
+
+void topk_forward(float* values, int32_t* indices, const float* inp, int64_t N, int64_t D, int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * D;
+    // Insertion into a sorted list of K: D is the expert count (small), so this beats a heap.
+    for (int64_t k = 0; k < K; ++k) {
+      values[n * K + k] = -INFINITY;
+      indices[n * K + k] = -1;
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      float v = x[d];
+      int64_t pos = K;
+      // Strictly greater: an equal value stays behind the earlier (lower) index.
+      while (pos > 0 && (indices[n * K + pos - 1] < 0 || v > values[n * K + pos - 1])) --pos;
+      if (pos == K) continue;
+      for (int64_t k = K - 1; k > pos; --k) {
+        values[n * K + k] = values[n * K + k - 1];
+        indices[n * K + k] = indices[n * K + k - 1];
+      }
+      values[n * K + pos] = v;
+      indices[n * K + pos] = static_cast<int32_t>(d);
+    }
+  }
+}
+
+// ---- norms -------------------------------------------------------------------------------------
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    double m = 0;
+    for (int64_t c = 0; c < C; ++c) m += x[c];
+    m /= C;
+    double var = 0;
+    for (int64_t c = 0; c < C; ++c) var += (x[c] - m) * (x[c] - m);
+    var /= C;
+    float s = static_cast<float>(1.0 / std::sqrt(var + eps));
+    float fm = static_cast<float>(m);
+    float* y = out + n * C;
+    for (int64_t c = 0; c < C; ++c) y[c] = (x[c] - fm) * s * weight[c] + bias[c];
+    mean[n] = fm;
+    rstd[n] = s;
+  }
+}
+
+namespace {
+// Parameter gradients summed over rows: each thread owns a column range, rows in order, so the
+// result is independent of the thread count.
+template <typename F>
+void for_column_blocks(int64_t C, F&& body) {
+  const int64_t block = 16;
+  const int64_t nblocks = (C + block - 1) / block;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) body(b * block, std::min(C, (b + 1) * block));
+}
+}  // namespace
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C) {
+  if (dinp) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* dy = dout + n * C;
+      const float* x = inp + n * C;
+      float m = mean[n], s = rstd[n];
+      double dnorm_mean = 0, dnorm_norm_mean = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        float norm = (x[c] - m) * s;
+        float dnorm = weight[c] * dy[c];
+        dnorm_mean += dnorm;
+        dnorm_norm_mean += static_cast<double>(dnorm) * norm;
+      }
+      float a = static_cast<float>(dnorm_mean / C), b = static_cast<float>(dnorm_norm_mean / C);
+      float* dx = dinp + n * C;
+      for (int64_t c = 0; c < C; ++c) {
+        float norm = (x[c] - m) * s;
+        dx[c] += (weight[c] * dy[c] - a - norm * b) * s;
+      }
+    }
+  }
+  if (dweight || dbias) {
+    for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+      for (int64_t n = 0; n < N; ++n) {
+        const float* dy = dout + n * C;
+        const float* x = inp + n * C;
+        for (int64_t c = c0; c < c1; ++c) {
+          if (dweight) dweight[c] += (x[c] - mean[n]) * rstd[n] * dy[c];
+          if (dbias) dbias[c] += dy[c];
+        }
+      }
+    });
+  }
+}
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C,
+                     float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    double ss = 0;
+    for (int64_t c = 0; c < C; ++c) ss += static_cast<double>(x[c]) * x[c];
+    float s = static_cast<float>(1.0 / std::sqrt(ss / C + eps));
+    float* y = out + n * C;
+    for (int64_t c = 0; c < C; ++c) y[c] = x[c] * s * weight[c];
+    rstd[n] = s;
+  }
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C) {
+  if (dinp) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* dy = dout + n * C;
+      const float* x = inp + n * C;
+      float s = rstd[n];
+      // y = x*s*w, s = (mean(x^2)+eps)^-1/2: dx = s*w*dy - x * s^3 * mean(x * w * dy)
+      double dot = 0;
+      for (int64_t c = 0; c < C; ++c) dot += static_cast<double>(x[c]) * weight[c] * dy[c];
+      float k = static_cast<float>(dot / C) * s * s * s;
+      float* dx = dinp + n * C;
+      for (int64_t c = 0; c < C; ++c) dx[c] += s * weight[c] * dy[c] - x[c] * k;
+    }
+  }
+  if (dweight) {
+    for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = c0; c < c1; ++c) dweight[c] += inp[n * C + c] * rstd[n] * dout[n * C + c];
+    });
+  }
+}
+
+// ---- attention -----------------------------------------------------------------------------------
+
+void attention_forward(float* out, float* preatt, float* att, const float* qkv, int64_t B, int64_t T, int64_t C,
+                       int64_t NH) {
+  const int64_t HS = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* q = qkv + (b * T + t) * C3 + h * HS;
+        float* pre = preatt + ((b * NH + h) * T + t) * T;
+        float* a = att + ((b * NH + h) * T + t) * T;
+        float mx = -INFINITY;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* k = qkv + (b * T + t2) * C3 + h * HS + C;
+          float dot = 0;
+          for (int64_t i = 0; i < HS; ++i) dot += q[i] * k[i];
+          pre[t2] = dot * scale;
+          mx = std::max(mx, pre[t2]);
+        }
+        double sum = 0;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          a[t2] = std::exp(pre[t2] - mx);
+          sum += a[t2];
+        }
+        float inv = static_cast<float>(1.0 / sum);
+        for (int64_t t2 = 0; t2 < T; ++t2) a[t2] = t2 <= t ? a[t2] * inv : 0.0f;
+        float* o = out + (b * T + t) * C + h * HS;
+        for (int64_t i = 0; i < HS; ++i) o[i] = 0;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* v = qkv + (b * T + t2) * C3 + h * HS + 2 * C;
+          for (int64_t i = 0; i < HS; ++i) o[i] += a[t2] * v[i];
+        }
+      }
+}
+
+void attention_backward(float* dqkv, float* datt, float* dpreatt, const float* dout, const float* qkv,
+                        const float* att, int64_t B, int64_t T, int64_t C, int64_t NH) {
+  const int64_t HS = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  // One (b, h) per task: it writes only its own head's columns of dqkv for batch b, so no races.
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < NH; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* a = att + ((b * NH + h) * T + t) * T;
+        float* da = datt + ((b * NH + h) * T + t) * T;
+        float* dpre = dpreatt + ((b * NH + h) * T + t) * T;
+        const float* dy = dout + (b * T + t) * C + h * HS;
+        // out = sum_t2 a[t2] v[t2]
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* v = qkv + (b * T + t2) * C3 + h * HS + 2 * C;
+          float* dv = dqkv + (b * T + t2) * C3 + h * HS + 2 * C;
+          float dot = 0;
+          for (int64_t i = 0; i < HS; ++i) {
+            dot += v[i] * dy[i];
+            dv[i] += a[t2] * dy[i];
+          }
+          da[t2] = dot;
+        }
+        // softmax: dpre = a * (da - sum(a * da))
+        double s = 0;
+        for (int64_t t2 = 0; t2 <= t; ++t2) s += static_cast<double>(a[t2]) * da[t2];
+        for (int64_t t2 = 0; t2 <= t; ++t2) dpre[t2] = a[t2] * (da[t2] - static_cast<float>(s));
+        // pre = scale * q . k
+        const float* q = qkv + (b * T + t) * C3 + h * HS;
+        float* dq = dqkv + (b * T + t) * C3 + h * HS;
+        for (int64_t t2 = 0; t2 <= t; ++t2) {
+          const float* k = qkv + (b * T + t2) * C3 + h * HS + C;
+          float* dk = dqkv + (b * T + t2) * C3 + h * HS + C;
+          float g = dpre[t2] * scale;
+          for (int64_t i = 0; i < HS; ++i) {
+            dq[i] += k[i] * g;
+            dk[i] += q[i] * g;
+          }
+        }
+      }
+}
+
+// ---- embeddings ---------------------------------------------------------------------------------
+
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
+                       int64_t C) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* e = wte + static_cast<int64_t>(tokens[b * T + t]) * C;
+      const float* p = wpe + t * C;
+      float* o = out + (b * T + t) * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
+    }
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C) {
+  for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* d = dout + (b * T + t) * C;
+        if (dwte) {
+          float* e = dwte + static_cast<int64_t>(tokens[b * T + t]) * C;
+          for (int64_t c = c0; c < c1; ++c) e[c] += d[c];
+        }
+        if (dwpe)
+          for (int64_t c = c0; c < c1; ++c) dwpe[t * C + c] += d[c];
+      }
+  });
+}
+
+// ---- loss ---------------------------------------------------------------------------------------
+
+double cross_entropy_forward(float* probs, const float* logits, const int32_t* targets, int64_t N, int64_t V) {
+  double total = 0;
+#pragma omp parallel for reduction(+ : total) schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = logits + n * V;
+    float* p = probs + n * V;
+    float mx = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[v]);
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      p[v] = std::exp(x[v] - mx);
+      sum += p[v];
+    }
+    float inv = static_cast<float>(1.0 / sum);
+    for (int64_t v = 0; v < V; ++v) p[v] *= inv;
+    // -log softmax[target] = logsumexp - logit[target], exact in double even when p underflows
+    total += std::log(sum) + mx - x[targets[n]];
+  }
+  return total / static_cast<double>(N);
+}
+
+void cross_entropy_backward(float* dlogits, const float* probs, const int32_t* targets, int64_t N, int64_t V,
+                            float dloss) {
+  const float s = dloss / static_cast<float>(N);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float* d = dlogits + n * V;
+    const float* p = probs + n * V;
+    for (int64_t v = 0; v < V; ++v) d[v] += s * p[v];
+    d[targets[n]] -= s;
+  }
+}
+
+// ---- token rows by index ------------------------------------------------------------------------
+
+void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(out + r * C, inp + static_cast<int64_t>(index[r]) * C, C * sizeof(float));
+}
+
+void scatter_add_rows(float* out, const float* inp, const int32_t* index, const float* scale, int64_t R, int64_t N,
+                      int64_t C) {
+  (void)N;
+  for_column_blocks(C, [&](int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < R; ++r) {
+      float s = scale ? scale[r] : 1.0f;
+      float* o = out + static_cast<int64_t>(index[r]) * C;
+      const float* x = inp + r * C;
+      for (int64_t c = c0; c < c1; ++c) o[c] += s * x[c];
+    }
+  });
+}
+
+// ---- optimizer ------------------------------------------------------------------------------------
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+                  float eps, float weight_decay, int64_t t) {
+  const float bc1 = 1.0f - static_cast<float>(std::pow(beta1, static_cast<double>(t)));
+  const float bc2 = 1.0f - static_cast<float>(std::pow(beta2, static_cast<double>(t)));
+  const float decay = 1.0f - lr * weight_decay;
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float g = grad[i];
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g;
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g * g;
+    float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    param[i] = param[i] * decay - lr * mhat / (std::sqrt(vhat) + eps);
+  }
+}
+
+}  // namespace moe
