@@ -54,19 +54,20 @@ void experts_backward(float* dxp, float* dw1, float* dw2, float* dw3, float* dac
     const float* w1e = w1 + e * F * C;
     const float* w2e = w2 + e * C * F;
     float* da = dact + r0 * F;
-    float* dg = dh1 + r0 * F;
+    // GELU works in place in dact (see gelu_backward_inplace); SwiGLU needs dh1 and dh3 apart.
+    float* dg = swiglu ? dh1 + r0 * F : da;
     float* dx = dxp + r0 * C;
     // out = act @ w2^T:  dact = dout @ w2 (overwrite),  dw2 += dout^T @ act
     gemm(false, false, n, F, C, 1.0f, dy, C, w2e, F, 0.0f, da, F);
     if (dw2) linear_backward(nullptr, dw2 + e * C * F, dy, act + r0 * F, w2e, n, F, C);
-    // activation (its kernels accumulate, so start from zero)
-    std::memset(dg, 0, static_cast<size_t>(n * F) * sizeof(float));
+    // activation (swiglu_backward accumulates, so its outputs start from zero)
     if (swiglu) {
       float* du = dh3 + r0 * F;
+      std::memset(dg, 0, static_cast<size_t>(n * F) * sizeof(float));
       std::memset(du, 0, static_cast<size_t>(n * F) * sizeof(float));
       swiglu_backward(dg, du, da, h1 + r0 * F, h3 + r0 * F, n * F);
     } else {
-      gelu_backward(dg, da, h1 + r0 * F, n * F);
+      gelu_backward_inplace(da, h1 + r0 * F, n * F);
     }
     // h1 = xp @ w1^T (and h3 = xp @ w3^T):  dxp = dh1 @ w1 (+ dh3 @ w3),  dw1 += dh1^T @ xp
     gemm(false, false, n, C, F, 1.0f, dg, F, w1e, C, 0.0f, dx, C);

@@ -28,8 +28,8 @@ void experts_forward(float* out /*[R,C]*/, float* h1 /*[R,F]*/, float* h3 /*[R,F
                      const float* w3, const ExpertShape& s);
 
 // Backward. dxp is OVERWRITTEN (the row buffer is per step, like the forward output);
-// dw1, dw2, dw3 ACCUMULATE (ops.h convention; null = skip). dact, dh1 (and dh3 for SwiGLU) are
-// scratch [R,F], overwritten. REQUIRES: experts_forward with the same xp/off/weights just before
+// dw1, dw2, dw3 ACCUMULATE (ops.h convention; null = skip). dact, dh1 and dh3 are
+// scratch [R,F], overwritten (GELU uses only dact; dh3 may be null for GELU). REQUIRES: experts_forward with the same xp/off/weights just before
 // and its h1, h3, act unchanged.
 void experts_backward(float* dxp /*[R,C]*/, float* dw1 /*[E,F,C]*/, float* dw2 /*[E,C,F]*/,
                       float* dw3 /*[E,F,C] or null*/, float* dact /*[R,F]*/, float* dh1 /*[R,F]*/,

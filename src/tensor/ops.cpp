@@ -2,6 +2,7 @@
 // double; everything is deterministic for a given thread count, and scatters are deterministic for
 // any thread count (each thread owns a column range and walks rows in order).
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -36,27 +37,53 @@ void scale_inplace(float* a, float s, int64_t n) {
 
 namespace {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// exp(x) in a form the compiler vectorizes (libm's expf/tanhf are scalar calls, which made GELU
+// cost as much as the expert GEMMs): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then
+// Cephes' degree-6 polynomial for e^r (relative error about 1e-7) and 2^n built in the exponent bits.
+inline float exp_vec(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-6f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+inline float tanh_vec(float u) { return 1.0f - 2.0f / (exp_vec(2.0f * u) + 1.0f); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp_vec(-x)); }
 }  // namespace
 
 void gelu_forward(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+    out[i] = 0.5f * x * (1.0f + tanh_vec(kGeluScale * (x + 0.044715f * x * x * x)));
   }
 }
 
+namespace {
+inline float gelu_grad(float x) {
+  float u = kGeluScale * (x + 0.044715f * x * x * x);
+  float th = tanh_vec(u);
+  float sech2 = 1.0f - th * th;
+  return 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+}
+}  // namespace
+
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    float x = inp[i];
-    float u = kGeluScale * (x + 0.044715f * x * x * x);
-    float th = std::tanh(u);
-    float sech2 = 1.0f - th * th;
-    float grad = 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
-    dinp[i] += grad * dout[i];
-  }
+  for (int64_t i = 0; i < n; ++i) dinp[i] += gelu_grad(inp[i]) * dout[i];
+}
+
+void gelu_backward_inplace(float* d, const float* inp, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) d[i] *= gelu_grad(inp[i]);
 }
 
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {

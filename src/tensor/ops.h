@@ -40,6 +40,9 @@ void scale_inplace(float* a, float s, int64_t n);                          // a 
 // GELU, tanh approximation (PyTorch approximate="tanh", GPT-2).
 void gelu_forward(float* out, const float* inp, int64_t n);
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n);
+// The one in-place exception to the accumulate rule: d holds dout on entry and dinp on return.
+// Expert backward uses it so the [R,F] gradient makes one pass through memory instead of three.
+void gelu_backward_inplace(float* d, const float* inp, int64_t n);
 // SwiGLU: out = silu(gate) * up.
 void swiglu_forward(float* out /*[n]*/, const float* gate /*[n]*/, const float* up /*[n]*/, int64_t n);
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n);
