@@ -58,9 +58,12 @@ std::array<GemmCall, 6> expert_gemms(int64_t M) {
 
 struct Row { std::string name; double ms, tokens_per_s, gflops; std::string note; };
 
+// A value of 0 prints as "-": the column does not apply to that row (a bare GEMM has no tokens/s).
 void print_row(const Row& r) {
-  std::printf("| %-44s | %9.2f | %10.0f | %8.1f | %-34s |\n", r.name.c_str(), r.ms, r.tokens_per_s, r.gflops,
-              r.note.c_str());
+  char tps[16] = "-", gf[16] = "-";
+  if (r.tokens_per_s > 0) std::snprintf(tps, sizeof tps, "%.0f", r.tokens_per_s);
+  if (r.gflops > 0) std::snprintf(gf, sizeof gf, "%.1f", r.gflops);
+  std::printf("| %-46s | %9.2f | %10s | %8s | %-34s |\n", r.name.c_str(), r.ms, tps, gf, r.note.c_str());
 }
 
 std::string script_path() {
@@ -108,8 +111,8 @@ int moe_layer(const BenchOptions& opt) {
   int64_t max_rows = *std::max_element(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
   std::printf("routing: %ld rows, expert load max/mean %.2f\n\n", R, max_rows / (double(R) / kE));
 
-  std::printf("| %-44s | %9s | %10s | %8s | %-34s |\n", "measurement", "ms", "tokens/s", "GFLOP/s", "note");
-  std::printf("|%s|%s|%s|%s|%s|\n", std::string(46, '-').c_str(), std::string(11, '-').c_str(),
+  std::printf("| %-46s | %9s | %10s | %8s | %-34s |\n", "measurement", "ms", "tokens/s", "GFLOP/s", "note");
+  std::printf("|%s|%s|%s|%s|%s|\n", std::string(48, '-').c_str(), std::string(11, '-').c_str(),
               std::string(12, '-').c_str(), std::string(10, '-').c_str(), std::string(36, '-').c_str());
 
   // 1. This machine's GEMM rate on the expert shapes (balanced rows per expert), each backend.
@@ -179,8 +182,8 @@ int moe_layer(const BenchOptions& opt) {
     for (const char* core : {"SkylakeX", "Cooperlake"}) {
       double f, fb;
       if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) continue;
-      print_row({std::string("PyTorch peer fwd+bwd, OPENBLAS_CORETYPE=") + core, fb, kN / (fb * 1e-3),
-                 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6), ""});
+      print_row({"PyTorch peer fwd+bwd", fb, kN / (fb * 1e-3), 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6),
+                 std::string("OPENBLAS_CORETYPE=") + core});
       if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core;
     }
     if (best_fb == 0) {
