@@ -5,7 +5,8 @@
 //  - Forward functions overwrite their outputs.
 //  - Backward functions ACCUMULATE (+=) into every gradient they write, so a tensor used twice
 //    (residual streams, tied embeddings) just receives two calls. Callers zero gradients per step.
-//    A null gradient pointer means "not needed" and is skipped.
+//    Where a backward has several gradient outputs, a null one means "not needed" and is skipped;
+//    a backward with a single gradient output REQUIRES it non-null.
 //  - Kernels are multi-threaded with OpenMP; none allocates except where stated.
 #pragma once
 
