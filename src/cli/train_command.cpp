@@ -18,15 +18,18 @@ std::vector<Binding>& bindings() {
   return b;
 }
 
+// (Not named `bind`: with a std::string member, argument-dependent lookup would pick std::bind.)
 template <typename T>
-void bind(CLI::App* cmd, TrainFlags* f, const std::string& name, T TrainConfig::*field, const std::string& help) {
-  CLI::Option* o = cmd->add_option(name, f->cfg.*field, help);
+void bind_flag(CLI::App* cmd, TrainFlags* f, const std::string& name, T TrainConfig::*field, const std::string& help) {
+  CLI::Option* o = cmd->add_option(name, f->cfg.*field, help)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   bindings().push_back({o, [field](const TrainConfig& from, TrainConfig* to) { to->*field = from.*field; }});
 }
 template <typename T>
-void bind_model(CLI::App* cmd, TrainFlags* f, const std::string& name, T ModelConfig::*field,
+void bind_model_flag(CLI::App* cmd, TrainFlags* f, const std::string& name, T ModelConfig::*field,
                 const std::string& help) {
-  CLI::Option* o = cmd->add_option(name, f->cfg.model.*field, help);
+  // Given twice, a flag takes its last value (as when appending to a saved command line).
+  CLI::Option* o =
+      cmd->add_option(name, f->cfg.model.*field, help)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   bindings().push_back(
       {o, [field](const TrainConfig& from, TrainConfig* to) { to->model.*field = from.model.*field; }});
 }
@@ -36,37 +39,37 @@ void bind_model(CLI::App* cmd, TrainFlags* f, const std::string& name, T ModelCo
 CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   CLI::App* c = app.add_subcommand("train", "train a GPT-style MoE model on a text corpus");
   c->add_option("--config", f->config_file, "JSON config file (flags given here override it)");
-  bind(c, f, "--data", &TrainConfig::data, "text file or folder (default: Python 3.11 docs sources)");
-  bind(c, f, "--steps", &TrainConfig::steps, "optimizer steps");
-  bind(c, f, "--batch-size", &TrainConfig::batch_size, "sequences per step");
-  bind(c, f, "--lr", &TrainConfig::lr, "peak learning rate");
-  bind(c, f, "--min-lr", &TrainConfig::min_lr, "final learning rate of the cosine decay");
-  bind(c, f, "--warmup-steps", &TrainConfig::warmup_steps, "linear warmup steps");
-  bind(c, f, "--weight-decay", &TrainConfig::weight_decay, "AdamW weight decay");
-  bind(c, f, "--grad-clip", &TrainConfig::grad_clip, "global gradient-norm clip (0: off)");
-  bind(c, f, "--seed", &TrainConfig::seed, "seed for weights and batch order");
-  bind(c, f, "--val-fraction", &TrainConfig::val_fraction, "held-out share of the corpus");
-  bind(c, f, "--log-every", &TrainConfig::log_every, "progress line every N steps");
-  bind(c, f, "--eval-every", &TrainConfig::eval_every, "validation every N steps (0: only at the end)");
-  bind(c, f, "--eval-batches", &TrainConfig::eval_batches, "validation batches");
-  bind(c, f, "--metrics", &TrainConfig::metrics, "write metrics as JSON lines to FILE");
-  bind(c, f, "--checkpoint-dir", &TrainConfig::checkpoint_dir, "write checkpoints to DIR");
-  bind(c, f, "--checkpoint-every", &TrainConfig::checkpoint_every, "checkpoint every N steps too");
-  bind(c, f, "--resume", &TrainConfig::resume, "resume from checkpoint DIR");
-  bind(c, f, "--stop-at-step", &TrainConfig::stop_at_step, "stop at step N with a checkpoint (schedule unchanged)");
-  bind(c, f, "--threads", &TrainConfig::threads, "compute threads (0: all cores)");
-  bind_model(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");
-  bind_model(c, f, "--d-model", &ModelConfig::d_model, "model width C");
-  bind_model(c, f, "--layers", &ModelConfig::n_layers, "transformer blocks L");
-  bind_model(c, f, "--heads", &ModelConfig::n_heads, "attention heads");
-  bind_model(c, f, "--d-ffn", &ModelConfig::d_ffn, "expert hidden size F");
-  bind_model(c, f, "--experts", &ModelConfig::n_experts, "experts per MoE layer E");
-  bind_model(c, f, "--top-k", &ModelConfig::top_k, "experts per token K");
-  bind_model(c, f, "--activation", &ModelConfig::activation, "gelu | swiglu");
-  bind_model(c, f, "--norm", &ModelConfig::norm, "layernorm | rmsnorm");
-  bind_model(c, f, "--capacity-factor", &ModelConfig::capacity_factor, "expert capacity factor (0: dropless)");
-  bind_model(c, f, "--aux-loss-weight", &ModelConfig::aux_loss_weight, "load-balancing loss weight");
-  bind_model(c, f, "--z-loss-weight", &ModelConfig::z_loss_weight, "router z-loss weight");
+  bind_flag(c, f, "--data", &TrainConfig::data, "text file or folder (default: Python 3.11 docs sources)");
+  bind_flag(c, f, "--steps", &TrainConfig::steps, "optimizer steps");
+  bind_flag(c, f, "--batch-size", &TrainConfig::batch_size, "sequences per step");
+  bind_flag(c, f, "--lr", &TrainConfig::lr, "peak learning rate");
+  bind_flag(c, f, "--min-lr", &TrainConfig::min_lr, "final learning rate of the cosine decay");
+  bind_flag(c, f, "--warmup-steps", &TrainConfig::warmup_steps, "linear warmup steps");
+  bind_flag(c, f, "--weight-decay", &TrainConfig::weight_decay, "AdamW weight decay");
+  bind_flag(c, f, "--grad-clip", &TrainConfig::grad_clip, "global gradient-norm clip (0: off)");
+  bind_flag(c, f, "--seed", &TrainConfig::seed, "seed for weights and batch order");
+  bind_flag(c, f, "--val-fraction", &TrainConfig::val_fraction, "held-out share of the corpus");
+  bind_flag(c, f, "--log-every", &TrainConfig::log_every, "progress line every N steps");
+  bind_flag(c, f, "--eval-every", &TrainConfig::eval_every, "validation every N steps (0: only at the end)");
+  bind_flag(c, f, "--eval-batches", &TrainConfig::eval_batches, "validation batches");
+  bind_flag(c, f, "--metrics", &TrainConfig::metrics, "write metrics as JSON lines to FILE");
+  bind_flag(c, f, "--checkpoint-dir", &TrainConfig::checkpoint_dir, "write checkpoints to DIR");
+  bind_flag(c, f, "--checkpoint-every", &TrainConfig::checkpoint_every, "checkpoint every N steps too");
+  bind_flag(c, f, "--resume", &TrainConfig::resume, "resume from checkpoint DIR");
+  bind_flag(c, f, "--stop-at-step", &TrainConfig::stop_at_step, "stop at step N with a checkpoint (schedule unchanged)");
+  bind_flag(c, f, "--threads", &TrainConfig::threads, "compute threads (0: all cores)");
+  bind_model_flag(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");
+  bind_model_flag(c, f, "--d-model", &ModelConfig::d_model, "model width C");
+  bind_model_flag(c, f, "--layers", &ModelConfig::n_layers, "transformer blocks L");
+  bind_model_flag(c, f, "--heads", &ModelConfig::n_heads, "attention heads");
+  bind_model_flag(c, f, "--d-ffn", &ModelConfig::d_ffn, "expert hidden size F");
+  bind_model_flag(c, f, "--experts", &ModelConfig::n_experts, "experts per MoE layer E");
+  bind_model_flag(c, f, "--top-k", &ModelConfig::top_k, "experts per token K");
+  bind_model_flag(c, f, "--activation", &ModelConfig::activation, "gelu | swiglu");
+  bind_model_flag(c, f, "--norm", &ModelConfig::norm, "layernorm | rmsnorm");
+  bind_model_flag(c, f, "--capacity-factor", &ModelConfig::capacity_factor, "expert capacity factor (0: dropless)");
+  bind_model_flag(c, f, "--aux-loss-weight", &ModelConfig::aux_loss_weight, "load-balancing loss weight");
+  bind_model_flag(c, f, "--z-loss-weight", &ModelConfig::z_loss_weight, "router z-loss weight");
   CLI::Option* dense = c->add_flag("--dense-every-other", f->cfg.model.dense_every_other,
                                    "odd blocks use a dense FFN instead of MoE");
   bindings().push_back({dense, [](const TrainConfig& from, TrainConfig* to) {
