@@ -18,4 +18,10 @@ struct BenchOptions {
 // and the PyTorch peer (bench/torch_moe_layer_peer.py). Returns the exit code.
 int moe_layer(const BenchOptions& opt);
 
+// nccl-tests' table (size, count, type, time, algbw, busbw, #wrong) for alltoallv (equal splits) and
+// allreduce (sum, in place), 1 KiB .. 64 MiB, next to the same operations through MPI directly
+// (MPI_Alltoall, MPI_Allreduce) and the ratio. Run under mpirun (-n 2, -n 4); rank 0 prints. The
+// busbw factors are documented in bench/collectives.cpp. Returns the exit code.
+int collectives(const BenchOptions& opt);
+
 }  // namespace moe::bench
