@@ -212,8 +212,10 @@ Status run_training(const TrainConfig& cfg) {
         std::snprintf(buf, sizeof buf, "%s%.2f", i ? " " : "", imbalance(loads[i].tokens_per_expert));
         load << buf;
       }
-      std::printf("step %5lld/%lld  loss %.4f  aux %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
-                  (long long)done, (long long)cfg.steps, window_loss / window_steps, model.aux_loss(), lr, grad_norm,
+      // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
+      std::printf("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
+                  (long long)done, (long long)cfg.steps, window_loss / window_steps,
+                  model.aux_loss() / std::max<size_t>(1, loads.size()), lr, grad_norm,
                   window_steps * B * T / window_seconds, load.str().c_str());
       std::fflush(stdout);
       window_loss = window_seconds = 0;
