@@ -2,7 +2,12 @@
 u64 header length, a JSON header, raw little-endian data), checks it against the format's rules,
 and prints one line per tensor: name, shape, sum and the first value, for test_checkpoint to compare.
 
-Usage: /usr/bin/python3 tests/load_safetensors.py FILE
+Usage: /usr/bin/python3 tests/load_safetensors.py FILE [--write-back OUT]
+
+--write-back OUT also writes OUT with this script's own safetensors writer (json.dumps spacing,
+tensors in reverse name order, header space-padded to 8 bytes): every tensor negated, metadata
+{"written_by": "load_safetensors.py"} added to FILE's. So the C++ reader is checked on a file it
+did not write. (Debian has no `safetensors` Python package; none is needed.)
 """
 import json
 import struct
@@ -29,14 +34,34 @@ def load(path):
     return tensors, header.get("__metadata__", {})
 
 
+def write(path, tensors, metadata):
+    header, blobs, offset = {}, [], 0
+    for name in sorted(tensors, reverse=True):
+        blob = tensors[name].contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    header["__metadata__"] = metadata
+    h = json.dumps(header).encode("utf-8")
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
 def main():
-    tensors, meta = load(sys.argv[1])
+    args = sys.argv[1:]
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--write-back"):
+        sys.exit("usage: load_safetensors.py FILE [--write-back OUT]")
+    tensors, meta = load(args[0])
     print("metadata", json.dumps(meta, sort_keys=True))
     for name in sorted(tensors):
         t = tensors[name].double()
         shape = ",".join(str(d) for d in tensors[name].shape)
         first = t.flatten()[0].item() if t.numel() else 0.0
         print(f"{name} [{shape}] {t.sum().item():.9e} {first:.9e}")
+    if len(args) == 3:
+        write(args[2], {name: -t for name, t in tensors.items()}, dict(meta, written_by="load_safetensors.py"))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
 #include <functional>
 #include <cstring>
 #include <map>
+#include <numbers>
+#include <set>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 
@@ -15,6 +18,7 @@
 
 #include "grad_check.h"
 #include "model/checkpoint.h"
+#include "model/data.h"
 #include "model/model.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
@@ -257,6 +261,435 @@ TEST(Checkpoint, PyTorchReadsTheWeights) {
     for (size_t i = 0; i < p->value.numel(); ++i) ours += p->value[i];
     EXPECT_NEAR(sum, ours, 1e-6 * (1 + std::fabs(ours))) << p->name;
     EXPECT_EQ(static_cast<float>(first), p->value[0]) << p->name;
+  }
+  fs::remove_all(dir);
+}
+
+// ---- more of the format: the exact byte layout, every rule the reader enforces -------------------
+
+// The bytes of a file whose header is `h` (padded to 8) followed by `data`.
+std::string file_with_header(const std::string& h, const std::string& data) {
+  std::string padded = h + std::string((8 - h.size() % 8) % 8, ' ');
+  uint64_t hl = padded.size();
+  return std::string(reinterpret_cast<const char*>(&hl), 8) + padded + data;
+}
+
+TEST(Safetensors, ByteLayoutIsTheStandardOne) {
+  const float a[3] = {1.0f, -2.5f, 3.25f}, b[2] = {0.5f, 1e-30f};
+  std::string bytes;
+  ASSERT_TRUE(encode_safetensors({{"b", {2}, b}, {"a", {1, 3}, a}}, {{"k", "v"}}, &bytes));
+  uint64_t hl;
+  std::memcpy(&hl, bytes.data(), 8);  // little-endian u64 (this machine is little-endian)
+  ASSERT_EQ(hl % 8, 0u);
+  ASSERT_EQ(bytes.size(), 8 + hl + 20);
+  const std::string header = bytes.substr(8, hl);
+  const size_t json_end = header.find_last_not_of(' ') + 1;
+  EXPECT_EQ(header[json_end - 1], '}');
+  EXPECT_LT(hl - json_end, 8u) << "padding is spaces, at most 7";
+  nlohmann::json h = nlohmann::json::parse(header);
+  // Data in the order given: b first, then a.
+  EXPECT_EQ(h["b"], nlohmann::json::parse(R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})"));
+  EXPECT_EQ(h["a"], nlohmann::json::parse(R"({"dtype":"F32","shape":[1,3],"data_offsets":[8,20]})"));
+  EXPECT_EQ(h["__metadata__"], nlohmann::json::parse(R"({"k":"v"})"));
+  EXPECT_EQ(std::memcmp(bytes.data() + 8 + hl, b, 8), 0);
+  EXPECT_EQ(std::memcmp(bytes.data() + 8 + hl + 8, a, 12), 0);
+
+  // Decoding and encoding again (same order) gives the same bytes.
+  std::map<std::string, LoadedTensor> t;
+  std::map<std::string, std::string> meta;
+  ASSERT_TRUE(decode_safetensors(bytes, "x", &t, &meta));
+  std::string again;
+  ASSERT_TRUE(encode_safetensors({{"b", t["b"].shape, t["b"].data.data()}, {"a", t["a"].shape, t["a"].data.data()}},
+                                 meta, &again));
+  EXPECT_TRUE(again == bytes);
+  // No metadata: no "__metadata__" key.
+  ASSERT_TRUE(encode_safetensors({{"a", {3}, a}}, {}, &bytes));
+  EXPECT_EQ(bytes.find("__metadata__"), std::string::npos);
+}
+
+TEST(Safetensors, EncodeRejectsWhatTheFormatCannotHold) {
+  const float x[2] = {1, 2};
+  std::string bytes;
+  EXPECT_FALSE(encode_safetensors({{"__metadata__", {2}, x}}, {}, &bytes));
+  EXPECT_FALSE(encode_safetensors({{"", {2}, x}}, {}, &bytes));
+  EXPECT_FALSE(encode_safetensors({{"w", {-1, 2}, x}}, {}, &bytes));
+  EXPECT_FALSE(encode_safetensors({{"w", {2}, nullptr}}, {}, &bytes));
+  Status s = encode_safetensors({{"w\xff", {2}, x}}, {}, &bytes);
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.message().find("UTF-8"), std::string::npos) << s.message();
+  EXPECT_FALSE(encode_safetensors({{"w", {2}, x}}, {{"k", "\xc3"}}, &bytes));
+}
+
+TEST(Safetensors, MoreDamageCases) {
+  auto expect_error = [](const std::string& bytes, const std::string& needle) {
+    std::map<std::string, LoadedTensor> t{{"keep", {}}};
+    std::map<std::string, std::string> meta{{"keep", "1"}};
+    Status s = decode_safetensors(bytes, "g.safetensors", &t, &meta);
+    EXPECT_FALSE(s) << "accepted a damaged file expecting '" << needle << "'";
+    EXPECT_EQ(s.message().rfind("g.safetensors: ", 0), 0u) << s.message();
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+    EXPECT_TRUE(t.size() == 1 && t.count("keep") && meta.size() == 1) << "outputs changed on error";
+  };
+  const std::string d8(8, '\0'), d12(12, '\0');
+  expect_error("", "too short");
+  expect_error(file_with_header("[1,2]", ""), "not a JSON object");
+  expect_error(file_with_header("", ""), "not valid JSON");
+  expect_error(file_with_header(R"({"w":[1]})", d8), "malformed");
+  expect_error(file_with_header(R"({"w":{"dtype":7,"shape":[2],"data_offsets":[0,8]}})", d8), "dtype");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", d8), "non-negative");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", d8), "non-negative");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":"2","data_offsets":[0,8]}})", d8), "shape");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", d8), "outside");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}})", d8), "data_offsets");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", d8), "data_offsets");
+  // prod(shape) * 4 overflows 64 bits but wraps to the byte count: still caught.
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[4611686018427387904,1],"data_offsets":[0,0]}})", ""),
+               "bytes");
+  // Ranges must tile the data: a gap, bytes after the last tensor.
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", d8), "no tensor");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", d12), "no tensor");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":1}})", d8),
+               "__metadata__");
+  expect_error(file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":[]})", d8),
+               "__metadata__");
+  expect_error(file_with_header("{\"w\xff\":{}}", d8), "not valid JSON");
+  // A deeply nested header is an error, not a stack overflow.
+  expect_error(file_with_header(std::string(100000, '[') + std::string(100000, ']'), ""), "not a JSON object");
+
+  // Every truncation of a good file, and every flipped header byte, is handled without a crash.
+  std::vector<float> w(6, 0.25f);
+  std::string good;
+  ASSERT_TRUE(encode_safetensors({{"w", {2, 3}, w.data()}, {"v", {3}, w.data()}}, {{"format", "moe"}}, &good));
+  std::map<std::string, LoadedTensor> t;
+  for (size_t n = 0; n < good.size(); ++n)
+    EXPECT_FALSE(decode_safetensors(good.substr(0, n), "p", &t, nullptr)) << "prefix of " << n << " bytes accepted";
+  uint64_t hl;
+  std::memcpy(&hl, good.data(), 8);
+  for (size_t i = 0; i < 8 + hl; ++i)
+    for (unsigned char bit : {0x01, 0x20, 0x80}) {
+      std::string bad = good;
+      bad[i] = static_cast<char>(bad[i] ^ bit);
+      std::map<std::string, std::string> meta;
+      Status s = decode_safetensors(bad, "p", &t, &meta);  // may be accepted (e.g. a renamed key)
+      if (s) {
+        size_t total = 0;
+        for (const auto& [name, x] : t) total += x.data.size();
+        EXPECT_EQ(total, 9u) << "byte " << i << ": accepted with a different amount of data";
+      }
+    }
+}
+
+TEST(Safetensors, FilesAreWrittenAtomically) {
+  fs::path dir = temp_dir("files");
+  const std::string path = (dir / "w.safetensors").string();
+  const float x[4] = {1, 2, 3, 4}, y[2] = {5, 6};
+  ASSERT_TRUE(save_safetensors(path, {{"x", {2, 2}, x}}, {{"step", "1"}}));
+  ASSERT_TRUE(save_safetensors(path, {{"y", {2}, y}}, {{"step", "2"}}));  // replaces the first
+  std::map<std::string, LoadedTensor> t;
+  std::map<std::string, std::string> meta;
+  ASSERT_TRUE(load_safetensors(path, &t, &meta));
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t["y"].data, (std::vector<float>{5, 6}));
+  EXPECT_EQ(meta["step"], "2");
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename(), "w.safetensors") << "left behind: " << e.path();
+
+  Status s = save_safetensors((dir / "nope" / "w.safetensors").string(), {{"y", {2}, y}}, {});
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.message().find("nope"), std::string::npos) << s.message();
+  s = load_safetensors((dir / "missing.safetensors").string(), &t, &meta);
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.message().find("missing.safetensors"), std::string::npos) << s.message();
+  std::string bytes;
+  s = read_file(dir.string(), &bytes);
+  EXPECT_FALSE(s) << "a folder is not a file";
+  EXPECT_NE(s.message().find("not a regular file"), std::string::npos) << s.message();
+  fs::remove_all(dir);
+}
+
+// ---- checkpoints: the layout, replacement rules, exact resume, every rejection -------------------
+
+TEST(Checkpoint, LayoutStateAndModelConfig) {
+  fs::path dir = temp_dir("layout");
+  Model a(tiny_config(), 2);
+  a.init(3);
+  AdamW oa(a.params(), AdamWConfig{});
+  train_one_step(a, oa);
+  nlohmann::json state{{"step", 1}, {"data_position", 1}, {"config", {{"model", tiny_config().to_json()}}}};
+  const std::string ck = (dir / "ck").string();
+  ASSERT_TRUE(save_checkpoint(ck + "/", a.params(), oa, state)) << "a trailing slash names the same folder";
+  std::set<std::string> files;
+  for (const auto& e : fs::directory_iterator(ck)) files.insert(e.path().filename().string());
+  EXPECT_EQ(files, (std::set<std::string>{"model.safetensors", "optimizer.safetensors", "state.json"}));
+  for (const auto& e : fs::directory_iterator(dir)) EXPECT_EQ(e.path().filename(), "ck") << e.path();
+
+  // state.json: the caller's keys, the optimizer step, each file's size and FNV-1a 64.
+  std::string text, model_bytes;
+  ASSERT_TRUE(read_file(ck + "/state.json", &text));
+  ASSERT_TRUE(read_file(ck + "/model.safetensors", &model_bytes));
+  nlohmann::json st = nlohmann::json::parse(text);
+  EXPECT_EQ(st["data_position"], 1);
+  EXPECT_EQ(st["optimizer_step"], 1);
+  EXPECT_EQ(st["files"]["model.safetensors"]["bytes"], model_bytes.size());
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)fnv1a64(model_bytes.data(), model_bytes.size()));
+  EXPECT_EQ(st["files"]["model.safetensors"]["fnv1a64"], hex);
+
+  // model.safetensors: every parameter, and the model config as JSON in the metadata.
+  std::map<std::string, LoadedTensor> w;
+  std::map<std::string, std::string> meta;
+  ASSERT_TRUE(decode_safetensors(model_bytes, "model", &w, &meta));
+  EXPECT_EQ(w.size(), a.params().size());
+  ModelConfig back;
+  ASSERT_TRUE(ModelConfig::from_json(nlohmann::json::parse(meta.at("model_config")), &back));
+  EXPECT_TRUE(back == tiny_config());
+  // optimizer.safetensors: <name>.m and <name>.v, metadata step.
+  std::map<std::string, LoadedTensor> mv;
+  ASSERT_TRUE(load_safetensors(ck + "/optimizer.safetensors", &mv, &meta));
+  EXPECT_EQ(mv.size(), 2 * a.params().size());
+  EXPECT_TRUE(mv.count("blocks.1.moe.w2.m") && mv.count("wte.weight.v"));
+  EXPECT_EQ(meta["step"], "1");
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, ResumeContinuesExactly) {
+  fs::path dir = temp_dir("resume");
+  Model a(tiny_config(), 2);
+  a.init(11);
+  AdamW oa(a.params(), AdamWConfig{});
+  train_one_step(a, oa);
+  train_one_step(a, oa);
+  ASSERT_TRUE(save_checkpoint((dir / "ck").string(), a.params(), oa, {{"step", 2}}));
+  Model b(tiny_config(), 2);
+  AdamW ob(b.params(), AdamWConfig{});
+  ASSERT_TRUE(load_checkpoint((dir / "ck").string(), b.params(), &ob, nullptr));
+  train_one_step(a, oa);
+  train_one_step(b, ob);
+  for (size_t i = 0; i < a.params().size(); ++i) {
+    const Param* p = a.params()[i];
+    EXPECT_EQ(std::memcmp(p->value.data(), b.params()[i]->value.data(), p->value.numel() * 4), 0) << p->name;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, NeverReplacesAFolderThatIsNotACheckpoint) {
+  fs::path dir = temp_dir("foreign");
+  Model a(tiny_config(), 2);
+  AdamW oa(a.params(), AdamWConfig{});
+  std::ofstream(dir / "notes.txt") << "precious";
+  Status s = save_checkpoint(dir.string(), a.params(), oa, {{"step", 0}});
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.message().find("notes.txt"), std::string::npos) << s.message();
+  EXPECT_TRUE(fs::exists(dir / "notes.txt"));
+  for (const auto& e : fs::directory_iterator(dir.parent_path()))
+    EXPECT_EQ(e.path().filename().string().find(dir.filename().string() + ".tmp"), std::string::npos) << e.path();
+  // Its parent is a file: an error, nothing written.
+  s = save_checkpoint((dir / "notes.txt" / "ck").string(), a.params(), oa, {{"step", 0}});
+  EXPECT_FALSE(s);
+  EXPECT_FALSE(save_checkpoint((dir / "ck").string(), a.params(), oa, nlohmann::json::array()))
+      << "state must be an object";
+  // Built over other parameters: a programming error.
+  Model other(tiny_config(), 2);
+  EXPECT_THROW(save_checkpoint((dir / "ck").string(), other.params(), oa, {}), std::logic_error);
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, EveryRejectionNamesTheProblemAndLoadsNothing) {
+  fs::path dir = temp_dir("reject");
+  Model a(tiny_config(), 2);
+  a.init(7);
+  AdamW oa(a.params(), AdamWConfig{});
+  train_one_step(a, oa);
+  const std::string ck = (dir / "ck").string();
+  ASSERT_TRUE(save_checkpoint(ck, a.params(), oa, {{"step", 1}}));
+
+  Model b(tiny_config(), 2);
+  b.init(99);
+  AdamW ob(b.params(), AdamWConfig{});
+  std::vector<std::vector<float>> before;
+  for (const Param* p : b.params()) before.emplace_back(p->value.data(), p->value.data() + p->value.numel());
+  auto expect_rejected = [&](const std::string& needle, const std::string& what) {
+    Status s = load_checkpoint(ck, b.params(), &ob, nullptr);
+    EXPECT_FALSE(s) << what << ": expected rejection with '" << needle << "'";
+    EXPECT_NE(s.message().find(needle), std::string::npos) << what << ": " << s.message();
+    EXPECT_EQ(s.message().rfind("checkpoint " + ck, 0), 0u) << s.message();
+    for (size_t i = 0; i < b.params().size(); ++i)
+      EXPECT_EQ(std::memcmp(before[i].data(), b.params()[i]->value.data(), before[i].size() * 4), 0)
+          << what << ": a rejected checkpoint modified " << b.params()[i]->name;
+    EXPECT_EQ(ob.steps(), 0) << what;
+    for (size_t i = 0; i < b.params().size(); ++i) EXPECT_EQ(ob.m(i)[0], 0.0f) << what;
+  };
+  auto with_file = [&](const std::string& file, const std::function<void(std::string&)>& edit,
+                       const std::string& needle) {
+    std::string original, bytes;
+    ASSERT_TRUE(read_file(ck + "/" + file, &original));
+    bytes = original;
+    edit(bytes);
+    std::ofstream(ck + "/" + file, std::ios::binary | std::ios::trunc) << bytes;
+    expect_rejected(needle, file + " edited");
+    std::ofstream(ck + "/" + file, std::ios::binary | std::ios::trunc) << original;
+  };
+  // A flipped byte anywhere in either file, one bit, a truncation, an appended byte.
+  with_file("optimizer.safetensors", [](std::string& x) { x[x.size() / 2] ^= 1; }, "optimizer.safetensors fails its checksum");
+  with_file("model.safetensors", [](std::string& x) { x[20] ^= 4; }, "model.safetensors fails its checksum");
+  with_file("model.safetensors", [](std::string& x) { x.resize(x.size() - 1); }, "truncated");
+  with_file("model.safetensors", [](std::string& x) { x += '\0'; }, "model.safetensors has");
+  with_file("state.json", [](std::string& x) { x = x.substr(0, x.size() / 2); }, "state.json is not valid JSON");
+  with_file("state.json", [](std::string& x) { x = "[]"; }, "not a JSON object");
+  with_file("state.json", [](std::string& x) { x = R"({"step": 1})"; }, "lacks the size and checksum");
+  with_file("state.json",
+            [](std::string& x) {
+              auto j = nlohmann::json::parse(x);
+              j["optimizer_step"] = 5;
+              x = j.dump();
+            },
+            "optimizer.safetensors is at step 1");
+  ASSERT_TRUE(load_checkpoint(ck, b.params(), &ob, nullptr)) << "the restored files load";
+  EXPECT_EQ(ob.steps(), 1);
+  b.init(99);
+  ob = AdamW(b.params(), AdamWConfig{});  // back to zero moments and step 0
+
+  // Folder or file missing.
+  Status s = load_checkpoint((dir / "nope").string(), b.params(), &ob, nullptr);
+  EXPECT_NE(s.message().find("no such directory"), std::string::npos) << s.message();
+  fs::rename(ck + "/state.json", ck + "/state.json.x");
+  expect_rejected("state.json", "state.json missing");
+  fs::rename(ck + "/state.json.x", ck + "/state.json");
+
+  // A model with one block fewer: the checkpoint has tensors it lacks.
+  ModelConfig one = tiny_config();
+  one.n_layers = 1;
+  Model c(one, 2);
+  s = load_checkpoint(ck, c.params(), nullptr, nullptr);
+  EXPECT_NE(s.message().find("has tensor blocks.1."), std::string::npos) << s.message();
+  // A model with one more: a tensor is missing.
+  ModelConfig three = tiny_config();
+  three.n_layers = 3;
+  Model d(three, 2);
+  s = load_checkpoint(ck, d.params(), nullptr, nullptr);
+  EXPECT_NE(s.message().find("tensor blocks.2.norm1.weight is missing"), std::string::npos) << s.message();
+  // The exact shape message.
+  ModelConfig wide = tiny_config();
+  wide.d_ffn = 64;
+  Model e(wide, 2);
+  s = load_checkpoint(ck, e.params(), nullptr, nullptr);
+  EXPECT_EQ(s.message(), "checkpoint " + ck + ": tensor blocks.0.moe.w1 has shape [4,32,16], the model expects [4,64,16]");
+
+  // Weights only: the optimizer file is not needed.
+  fs::remove(ck + "/optimizer.safetensors");
+  EXPECT_TRUE(load_checkpoint(ck, b.params(), nullptr, nullptr));
+  EXPECT_EQ(std::memcmp(a.params()[0]->value.data(), b.params()[0]->value.data(), a.params()[0]->value.numel() * 4), 0);
+  Model other(tiny_config(), 2);
+  EXPECT_THROW(load_checkpoint(ck, other.params(), &ob, nullptr), std::logic_error);
+  fs::remove_all(dir);
+}
+
+// ---- the optimizer against closed forms ---------------------------------------------------------
+
+TEST(Optimizer, AdamWMatchesTheClosedForm) {
+  // PyTorch AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+  //                p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+  Param w("w", {3}), n("n", {2}, /*wd=*/false);
+  const double w0[3] = {0.5, -1.0, 2.0}, n0[2] = {1.0, -0.25};
+  const double gw[2][3] = {{0.1, -0.2, 0.3}, {-0.05, 0.4, 0.0}}, gn[2][2] = {{1.0, -2.0}, {0.5, 0.5}};
+  for (int i = 0; i < 3; ++i) w.value[i] = static_cast<float>(w0[i]);
+  for (int i = 0; i < 2; ++i) n.value[i] = static_cast<float>(n0[i]);
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.1f;
+  AdamW opt({&w, &n}, cfg);
+  const double lrs[2] = {1e-2, 5e-3};
+  double pw[3], pn[2], mw[3] = {0}, vw[3] = {0}, mn[2] = {0}, vn[2] = {0};
+  std::copy(w0, w0 + 3, pw);
+  std::copy(n0, n0 + 2, pn);
+  const double b1 = cfg.beta1, b2 = cfg.beta2, eps = cfg.eps, wd = cfg.weight_decay;
+  auto ref = [&](double* p, double* m, double* v, const double* g, int k, double lr, double decay, int t) {
+    for (int i = 0; i < k; ++i) {
+      p[i] *= 1 - lr * decay;
+      m[i] = b1 * m[i] + (1 - b1) * g[i];
+      v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+      p[i] -= lr * (m[i] / (1 - std::pow(b1, t))) / (std::sqrt(v[i] / (1 - std::pow(b2, t))) + eps);
+    }
+  };
+  for (int t = 1; t <= 2; ++t) {
+    for (int i = 0; i < 3; ++i) w.grad[i] = static_cast<float>(gw[t - 1][i]);
+    for (int i = 0; i < 2; ++i) n.grad[i] = static_cast<float>(gn[t - 1][i]);
+    opt.step(static_cast<float>(lrs[t - 1]));
+    ref(pw, mw, vw, gw[t - 1], 3, lrs[t - 1], wd, t);
+    ref(pn, mn, vn, gn[t - 1], 2, lrs[t - 1], 0.0, t);
+    EXPECT_EQ(opt.steps(), t);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_NEAR(w.value[i], pw[i], 1e-6) << "w[" << i << "] step " << t;
+      EXPECT_NEAR(opt.m(0)[i], mw[i], 1e-7);
+      EXPECT_NEAR(opt.v(0)[i], vw[i], 1e-8);
+    }
+    for (int i = 0; i < 2; ++i) EXPECT_NEAR(n.value[i], pn[i], 1e-6) << "n[" << i << "] step " << t;
+  }
+}
+
+TEST(Optimizer, ClipGradNormOverSeveralParams) {
+  Param a("a", {2}), b("b", {1, 1});
+  a.grad[0] = 3, a.grad[1] = 4, b.grad[0] = 12;  // global norm 13
+  AdamW opt({&a, &b}, AdamWConfig{});
+  EXPECT_DOUBLE_EQ(opt.clip_grad_norm(0.0f), 13.0) << "max_norm 0 only measures";
+  EXPECT_EQ(a.grad[0], 3.0f);
+  EXPECT_DOUBLE_EQ(opt.clip_grad_norm(20.0f), 13.0) << "below the limit: unchanged";
+  EXPECT_EQ(b.grad[0], 12.0f);
+  EXPECT_DOUBLE_EQ(opt.clip_grad_norm(6.5f), 13.0);
+  EXPECT_FLOAT_EQ(a.grad[0], 1.5f);
+  EXPECT_FLOAT_EQ(a.grad[1], 2.0f);
+  EXPECT_FLOAT_EQ(b.grad[0], 6.0f);
+  EXPECT_NEAR(opt.clip_grad_norm(INFINITY), 6.5, 1e-6);
+  b.grad[0] = NAN;
+  EXPECT_TRUE(std::isnan(opt.clip_grad_norm(1.0f)));
+  EXPECT_FLOAT_EQ(a.grad[0], 1.5f) << "a non-finite norm scales nothing";
+}
+
+TEST(Optimizer, ScheduleShape) {
+  const int64_t total = 1000, warmup = 100;
+  const float hi = 3e-3f, lo = 3e-4f;
+  EXPECT_FLOAT_EQ(lr_at(0, total, warmup, hi, lo), hi / 100);
+  EXPECT_FLOAT_EQ(lr_at(49, total, warmup, hi, lo), hi / 2);
+  EXPECT_FLOAT_EQ(lr_at(99, total, warmup, hi, lo), hi);
+  EXPECT_FLOAT_EQ(lr_at(100, total, warmup, hi, lo), hi);
+  EXPECT_FLOAT_EQ(lr_at(999, total, warmup, hi, lo), lo + (hi - lo) * 0.5f * (1 + std::cos(std::numbers::pi * 899 / 900)));
+  EXPECT_FLOAT_EQ(lr_at(1000, total, warmup, hi, lo), lo);
+  EXPECT_FLOAT_EQ(lr_at(5000, total, warmup, hi, lo), lo) << "past the end: the floor";
+  float prev = hi;
+  for (int64_t s = warmup; s <= total; ++s) {
+    float lr = lr_at(s, total, warmup, hi, lo);
+    EXPECT_LE(lr, prev) << "step " << s;
+    EXPECT_GE(lr, lo) << "step " << s;
+    prev = lr;
+  }
+  EXPECT_FLOAT_EQ(lr_at(0, total, 0, hi, lo), hi) << "no warmup";
+}
+
+// PyTorch reads our file and writes it back (negated) with its own writer; we read that exactly.
+TEST(Checkpoint, PyTorchWritesAFileWeRead) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch (scripts/setup.sh --test installs it)";
+  fs::path dir = temp_dir("torch_back");
+  Model a(tiny_config(), 2);
+  a.init(5);
+  AdamW oa(a.params(), AdamWConfig{});
+  ASSERT_TRUE(save_checkpoint((dir / "ck").string(), a.params(), oa, {{"step", 0}}));
+  const fs::path back = dir / "back.safetensors";
+  std::string cmd = "/usr/bin/python3 " + std::string(MOE_TEST_DIR) + "/load_safetensors.py " +
+                    (dir / "ck" / "model.safetensors").string() + " --write-back " + back.string() +
+                    " > /dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::map<std::string, LoadedTensor> t;
+  std::map<std::string, std::string> meta;
+  ASSERT_TRUE(load_safetensors(back.string(), &t, &meta));
+  EXPECT_EQ(meta["written_by"], "load_safetensors.py");
+  EXPECT_EQ(meta["format"], "moe");
+  ASSERT_EQ(t.size(), a.params().size());
+  for (const Param* p : a.params()) {
+    ASSERT_TRUE(t.count(p->name)) << p->name;
+    EXPECT_EQ(t[p->name].shape, p->value.shape()) << p->name;
+    std::vector<float> neg(p->value.numel());
+    for (size_t i = 0; i < neg.size(); ++i) neg[i] = -p->value[i];
+    EXPECT_EQ(std::memcmp(t[p->name].data.data(), neg.data(), neg.size() * 4), 0) << p->name;
   }
   fs::remove_all(dir);
 }

@@ -26,7 +26,7 @@ double AdamW::clip_grad_norm(float max_norm) {
     ss += local;
   }
   const double norm = std::sqrt(ss);
-  if (std::isfinite(max_norm) && norm > max_norm) {
+  if (max_norm > 0 && std::isfinite(max_norm) && std::isfinite(norm) && norm > max_norm) {
     const float s = static_cast<float>(max_norm / norm);
     for (Param* p : params_) scale_inplace(p->grad.data(), s, static_cast<int64_t>(p->grad.numel()));
   }

@@ -21,12 +21,16 @@ class AdamW {
  public:
   AdamW(std::vector<Param*> params, const AdamWConfig& cfg);
 
-  // Scales every gradient by min(1, max_norm / norm) and returns the global L2 norm before
-  // clipping (summed in double in parameter order: deterministic). max_norm = +inf only measures.
+  // Scales every gradient by max_norm / norm when norm > max_norm and returns the global L2 norm
+  // before clipping: squares summed in double, parameter by parameter in order, so the result does
+  // not depend on the thread count. max_norm <= 0 or +inf only measures. A non-finite norm
+  // (NaN/Inf gradients) is returned and nothing is scaled.
   double clip_grad_norm(float max_norm);
-  // One AdamW step at learning rate lr over every parameter; steps() increases by one.
+  // One AdamW step (ops.h adamw_update, PyTorch semantics) at learning rate lr over every
+  // parameter, weight decay only where Param::decay; steps() increases by one first (t >= 1).
   void step(float lr);
 
+  // Steps taken (Adam's t; bias correction uses it). set_steps restores it from a checkpoint.
   int64_t steps() const { return t_; }
   void set_steps(int64_t t) { t_ = t; }
   const std::vector<Param*>& params() const { return params_; }
@@ -44,10 +48,12 @@ class AdamW {
   int64_t t_ = 0;
 };
 
-// Learning rate at 0-based step `step` of a run of total_steps: linear warmup over the first
-// `warmup` steps (lr_max * (step + 1) / warmup), then cosine decay from lr_max at step = warmup to
-// lr_min at step = total_steps. A pure function of its arguments, so a resumed run follows the
-// same schedule.
+// Learning rate at 0-based step `step` of a run of total_steps:
+//   step <  warmup:   lr_max * (step + 1) / warmup        (linear; the last warmup step is lr_max)
+//   step >= warmup:   lr_min + (lr_max - lr_min) * (1 + cos(pi * p)) / 2,
+//                     p = min(1, (step - warmup) / max(1, total_steps - warmup))
+// so step = warmup gives lr_max and step >= total_steps gives lr_min. warmup = 0: no warmup.
+// A pure function of its arguments, so a resumed run follows the same schedule.
 float lr_at(int64_t step, int64_t total_steps, int64_t warmup, float lr_max, float lr_min);
 
 }  // namespace moe
