@@ -117,6 +117,10 @@ TEST_F(CliTest, TrainsAndWritesMetrics) {
 // N steps in one go versus N/2, stop, resume, N/2: the final weights and optimizer state are
 // bit-identical (same kernels, same thread count, data position = step).
 TEST_F(CliTest, ResumeIsExact) {
+  // The uninterrupted and the interrupted run are separate processes: pin one GEMM kernel for both
+  // (each process otherwise picks by timing, and oneDNN and OpenBLAS round differently). The
+  // resumed run itself takes the kernel from the checkpoint.
+  ::setenv("MOE_GEMM", "onednn", 1);
   std::string common = tiny() + "--steps 8 --warmup-steps 2 ";
   Result full = run_moe("train " + common + "--checkpoint-dir " + (dir_ / "full").string());
   ASSERT_EQ(full.exit_code, 0) << full.output;
@@ -133,6 +137,18 @@ TEST_F(CliTest, ResumeIsExact) {
     ASSERT_FALSE(a.empty()) << f;
     EXPECT_TRUE(a == b) << f << " differs between the uninterrupted and the resumed run";
   }
+  ::unsetenv("MOE_GEMM");
+}
+
+// Without MOE_GEMM, a resumed run adopts the checkpoint's GEMM kernel instead of measuring.
+TEST_F(CliTest, ResumeUsesTheCheckpointsGemmKernel) {
+  ::setenv("MOE_GEMM", "openblas", 1);
+  Result first = run_moe("train " + tiny() + "--steps 4 --stop-at-step 2 --checkpoint-dir " + (dir_ / "ck").string());
+  ::unsetenv("MOE_GEMM");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  Result resumed = run_moe("train " + tiny() + "--steps 4 --resume " + (dir_ / "ck").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("gemm: openblas (as in checkpoint"), std::string::npos) << resumed.output;
 }
 
 TEST_F(CliTest, CorruptedCheckpointRejected) {

@@ -294,7 +294,7 @@ void Model::backward() {
 
   // LM head: d(mean CE)/dlogits, then logits = lnf @ wte^T (tied: accumulates into wte.grad).
   zero_n(dlogits_, N * V);
-  cross_entropy_backward(dlogits_.data(), probs_.data(), targets_.data(), N, V, 1.0f);
+  cross_entropy_backward(dlogits_.data(), probs_.data(), targets_.data(), N, V, ce_grad_scale_);
   zero_n(dln_, N * C);
   linear_backward(dln_.data(), wte_->grad.data(), dlogits_.data(), lnf_.data(), wte_->value.data(), N, C, V);
   const float* x_last = blocks_.empty() ? encoded_.data() : blocks_.back()->out.data();
@@ -376,6 +376,11 @@ std::vector<LayerLoad> Model::load_stats() const {
     out.push_back(std::move(s));
   }
   return out;
+}
+
+void Model::set_expert_parallel(comm::Communicator* group) {
+  for (int64_t l = 0; l < cfg_.n_layers; ++l)
+    if (MoeLayer* m = moe_layer(l)) m->set_expert_parallel(group);
 }
 
 }  // namespace moe

@@ -84,6 +84,14 @@ class Model {
   // Per MoE block, in block order.
   std::vector<LayerLoad> load_stats() const;
 
+  // Data + expert parallelism: this model instance holds rank r's share of each global batch.
+  // Every MoE layer runs expert-parallel over `group` (MoeLayer::set_expert_parallel), and the
+  // cross-entropy gradient is scaled by ce_grad_scale (this rank's share of the global mean: its
+  // tokens / the global batch's), so that summing every gradient over ranks gives the gradient of
+  // the whole batch's loss. Defaults: no group, scale 1 (one process, the whole batch).
+  void set_expert_parallel(comm::Communicator* group);
+  void set_ce_grad_scale(float s) { ce_grad_scale_ = s; }
+
  private:
   struct Block;
   Param* add_param(const std::string& name, std::vector<int64_t> shape, bool decay);
@@ -106,6 +114,7 @@ class Model {
   int64_t B_ = 0, T_ = 0;
   bool have_targets_ = false;
   double loss_ = std::nan("");
+  float ce_grad_scale_ = 1.0f;
   std::vector<int32_t> tokens_;   // [B,T]
   std::vector<int32_t> targets_;  // [B,T]
   Tensor encoded_;   // [B,T,C] embedding output = input of block 0

@@ -24,7 +24,7 @@ int64_t expert_capacity(float capacity_factor, int64_t N, int64_t K, int64_t E) 
                                         static_cast<double>(E)));
 }
 
-void layout_build(Routing& r, int64_t capacity, int64_t* scratch) {
+void layout_build(Routing& r, int64_t capacity, int64_t* scratch, const int64_t* prior) {
   const int64_t N = r.N, K = r.K, E = r.E;
   const int64_t NK = N * K;
   if (static_cast<int64_t>(r.expert.size()) != NK || static_cast<int64_t>(r.weight.size()) != NK)
@@ -50,6 +50,7 @@ void layout_build(Routing& r, int64_t capacity, int64_t* scratch) {
     int64_t left = cap, t = 0;
     for (int64_t k = 0; k < K; ++k) {
       int64_t& q = quota[e * K + k];
+      if (prior) left = cap == std::numeric_limits<int64_t>::max() ? cap : std::max<int64_t>(0, cap - prior[e * K + k]);
       q = std::min(q, left);
       left -= q;
       t += q;

@@ -31,6 +31,12 @@ inline int64_t layout_scratch_size(int64_t E, int64_t K) { return E * K + E; }
 // it in the global order (k ascending, then n ascending).
 // REQUIRES: r.N, r.K, r.E set; r.expert and r.weight of size N*K with 0 <= expert < E and the K
 // experts of one token distinct (true for top-k); scratch of layout_scratch_size(E, K) entries.
-void layout_build(Routing& r, int64_t capacity, int64_t* scratch);
+//
+// When these N tokens are one rank's share of a global batch (expert parallelism), `prior` [E*K]
+// gives, for each (expert e, choice k), how many assignments to e come before this rank's choice-k
+// assignments in the global order (all choices < k of every rank, plus choice k of lower ranks);
+// then this rank keeps exactly the assignments the single-process layout of the whole batch keeps.
+// prior = null: these N tokens are the whole batch.
+void layout_build(Routing& r, int64_t capacity, int64_t* scratch, const int64_t* prior = nullptr);
 
 }  // namespace moe

@@ -4,10 +4,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "comm/communicator.h"
 #include "moe/combine.h"
 #include "moe/experts.h"
 #include "moe/layout.h"
 #include "moe/router.h"
+#include "tensor/ops.h"
 
 namespace moe {
 
@@ -77,6 +79,7 @@ void MoeLayer::forward(float* y, const float* x, int64_t N) {
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k;
   x_ = x;
   n_ = N;
+  if (ep_) return forward_ep(y, x, N);
   // router: gate choices and weights, then the losses (f_e counts choices before dropping)
   router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize);
   RouterLosses l = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
@@ -90,10 +93,12 @@ void MoeLayer::forward(float* y, const float* x, int64_t N) {
   experts_forward(outp_.data(), h1_.data(), h3_.data(), act_.data(), xp_.data(), routing_.expert_offset.data(),
                   w1_.value.data(), w2_.value.data(), w3_.value.data(), expert_shape(cfg_));
   combine_forward(y, row_weight_.data(), outp_.data(), routing_, C);
+  expert_rows_ = routing_.rows();
 }
 
 void MoeLayer::backward(float* dx, const float* dy) {
   if (!x_) throw std::logic_error("MoeLayer::backward: REQUIRES forward() first");
+  if (ep_) return backward_ep(dx, dy);
   const int64_t N = n_, C = cfg_.d_model, E = cfg_.n_experts;
   combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, C);
   experts_backward(dxp_.data(), w1_.grad.data(), w2_.grad.data(), w3_.grad.data(), dact_.data(), dh_.data(),
@@ -104,6 +109,153 @@ void MoeLayer::backward(float* dx, const float* dy) {
   router_backward(dx, router_.grad.data(), dprobs_.data(), dlogits_.data(), dgate_.data(), routing_, probs_.data(),
                   lse_.data(), load_frac_.data(), x_, router_.value.data(), N, C, E, cfg_.renormalize,
                   cfg_.aux_loss_weight, cfg_.z_loss_weight);
+}
+
+// ---- expert parallelism -------------------------------------------------------------------------
+//
+// Forward on rank `me` of P, El = E/P local experts [e0, e0+El):
+//   gate (local tokens) -> global statistics: allgather of per-(k,e) choice counts, allreduce of
+//   prob sums, lse^2 sum and token count -> global aux, z and capacity -> layout with `prior` ->
+//   dispatch (local rows in expert order, so each destination's rows are contiguous) ->
+//   alltoall of kept rows per (destination, expert) -> alltoallv of the rows -> permute
+//   source-major -> expert-major -> expert GEMMs -> permute back -> alltoallv back -> combine.
+// Backward runs the same exchanges in reverse. Rows of one expert arrive ordered by source rank,
+// then by token: the global token order, as in the single-process layout.
+
+namespace {
+void check(const Status& s) {
+  if (!s) throw std::runtime_error(s.message());
+}
+}  // namespace
+
+void MoeLayer::set_expert_parallel(comm::Communicator* group) {
+  if (!group || group->size() == 1) {
+    ep_ = nullptr;
+    return;
+  }
+  const int64_t P = group->size(), E = cfg_.n_experts, K = cfg_.top_k, C = cfg_.d_model, F = cfg_.d_ffn;
+  if (E % P != 0)
+    throw std::invalid_argument("expert parallelism: n_experts (" + std::to_string(E) +
+                                ") must be a multiple of the ranks in the group (" + std::to_string(P) + ")");
+  ep_ = group;
+  const int64_t El = E / P, rows = P * max_tokens_ * K;  // at most every rank's every assignment
+  local_counts_.assign(K * E, 0);
+  all_counts_.assign(P * K * E, 0);
+  stats_.assign(E + 2, 0.0);
+  prior_.assign(E * K, 0);
+  recv_tpe_.assign(P * El, 0);
+  send_counts_.assign(P, 0);
+  send_displs_.assign(P, 0);
+  recv_counts_.assign(P, 0);
+  recv_displs_.assign(P, 0);
+  perm_.reserve(rows);
+  inv_perm_.reserve(rows);
+  local_offset_.assign(El + 1, 0);
+  for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
+  for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
+  if (cfg_.activation == Activation::swiglu)
+    for (Tensor* t : {&h3_, &dh3_}) t->resize({rows, F});
+}
+
+void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k, P = ep_->size(), me = ep_->rank();
+  const int64_t El = E / P, e0 = me * El;
+  router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize);
+  RouterLosses local = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
+                                           probs_.data(), routing_, N, E);
+  // global statistics of the batch
+  std::fill(local_counts_.begin(), local_counts_.end(), 0);
+  for (int64_t a = 0; a < N * K; ++a) ++local_counts_[(a % K) * E + routing_.expert[a]];
+  check(ep_->allgather(local_counts_.data(), K * E, all_counts_.data()));
+  for (int64_t e = 0; e < E; ++e) stats_[e] = static_cast<double>(mean_prob_[e]) * N;
+  stats_[E] = static_cast<double>(local.z) * N;
+  stats_[E + 1] = static_cast<double>(N);
+  check(ep_->allreduce(stats_.data(), E + 2));
+  const int64_t Ng = static_cast<int64_t>(stats_[E + 1]);
+  loss_tokens_ = Ng;
+  double aux = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t chosen = 0;
+    for (int64_t r = 0; r < P; ++r)
+      for (int64_t k = 0; k < K; ++k) chosen += all_counts_[(r * K + k) * E + e];
+    const double f = Ng ? static_cast<double>(chosen) / static_cast<double>(Ng * K) : 0.0;
+    load_frac_[e] = static_cast<float>(f);
+    mean_prob_[e] = Ng ? static_cast<float>(stats_[e] / Ng) : 0.0f;
+    aux += f * (Ng ? stats_[e] / Ng : 0.0);
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t before = 0;
+      for (int64_t r = 0; r < P; ++r)
+        for (int64_t k2 = 0; k2 < k; ++k2) before += all_counts_[(r * K + k2) * E + e];
+      for (int64_t r = 0; r < me; ++r) before += all_counts_[(r * K + k) * E + e];
+      prior_[e * K + k] = before;
+    }
+  }
+  aux_loss_ = static_cast<float>(E * aux);
+  z_loss_ = Ng ? static_cast<float>(stats_[E] / Ng) : 0.0f;
+  layout_build(routing_, expert_capacity(cfg_.capacity_factor, Ng, K, E), layout_scratch_.data(), prior_.data());
+  dispatch_forward(xp_.data(), x, routing_, C);
+
+  // how many rows go where: my kept rows per expert, to the experts' owners
+  check(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
+  int64_t recv_rows = 0;
+  for (int64_t r = 0; r < P; ++r) {
+    const int64_t first = routing_.expert_offset[r * El], last = routing_.expert_offset[(r + 1) * El];
+    send_counts_[r] = (last - first) * C;
+    send_displs_[r] = first * C;
+    int64_t from_r = 0;
+    for (int64_t el = 0; el < El; ++el) from_r += recv_tpe_[r * El + el];
+    recv_counts_[r] = from_r * C;
+    recv_displs_[r] = recv_rows * C;
+    recv_rows += from_r;
+  }
+  expert_rows_ = recv_rows;
+  // source-major -> expert-major permutation
+  perm_.resize(recv_rows);
+  inv_perm_.resize(recv_rows);
+  int64_t i = 0;
+  for (int64_t el = 0; el < El; ++el) {
+    local_offset_[el] = i;
+    for (int64_t r = 0; r < P; ++r) {
+      int64_t src = recv_displs_[r] / C;
+      for (int64_t el2 = 0; el2 < el; ++el2) src += recv_tpe_[r * El + el2];
+      for (int64_t j = 0; j < recv_tpe_[r * El + el]; ++j, ++i) {
+        perm_[i] = static_cast<int32_t>(src + j);
+        inv_perm_[src + j] = static_cast<int32_t>(i);
+      }
+    }
+  }
+  local_offset_[El] = i;
+
+  check(ep_->alltoallv(xp_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
+  gather_rows(xe_.data(), xr_.data(), perm_.data(), recv_rows, C);
+  const bool swiglu = cfg_.activation == Activation::swiglu;
+  const int64_t F = cfg_.d_ffn;
+  experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
+                  local_offset_.data(), w1_.value.data() + e0 * F * C, w2_.value.data() + e0 * C * F,
+                  swiglu ? w3_.value.data() + e0 * F * C : nullptr, ExpertShape{El, C, F, cfg_.activation});
+  gather_rows(yr_.data(), ye_.data(), inv_perm_.data(), recv_rows, C);
+  check(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
+  combine_forward(y, row_weight_.data(), outp_.data(), routing_, C);
+}
+
+void MoeLayer::backward_ep(float* dx, const float* dy) {
+  const int64_t N = n_, C = cfg_.d_model, E = cfg_.n_experts, F = cfg_.d_ffn, P = ep_->size();
+  const int64_t El = E / P, e0 = ep_->rank() * El, rows = expert_rows_;
+  const bool swiglu = cfg_.activation == Activation::swiglu;
+  combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, C);
+  check(ep_->alltoallv(dout_p_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
+  gather_rows(de_.data(), dr_.data(), perm_.data(), rows, C);
+  experts_backward(dxe_.data(), w1_.grad.data() + e0 * F * C, w2_.grad.data() + e0 * C * F,
+                   swiglu ? w3_.grad.data() + e0 * F * C : nullptr, dact_.data(), dh_.data(),
+                   swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(), swiglu ? h3_.data() : nullptr,
+                   act_.data(), local_offset_.data(), w1_.value.data() + e0 * F * C, w2_.value.data() + e0 * C * F,
+                   swiglu ? w3_.value.data() + e0 * F * C : nullptr, ExpertShape{El, C, F, cfg_.activation});
+  gather_rows(dxr_.data(), dxe_.data(), inv_perm_.data(), rows, C);
+  check(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, dxp_.data(), send_counts_, send_displs_));
+  dispatch_backward(dx, dxp_.data(), routing_, C);
+  router_backward(dx, router_.grad.data(), dprobs_.data(), dlogits_.data(), dgate_.data(), routing_, probs_.data(),
+                  lse_.data(), load_frac_.data(), x_, router_.value.data(), N, C, E, cfg_.renormalize,
+                  cfg_.aux_loss_weight, cfg_.z_loss_weight, loss_tokens_);
 }
 
 }  // namespace moe

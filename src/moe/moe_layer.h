@@ -28,6 +28,9 @@
 #include "tensor/tensor.h"
 
 namespace moe {
+namespace comm {
+class Communicator;
+}
 
 enum class Activation { gelu, swiglu };
 
@@ -78,6 +81,20 @@ class MoeLayer {
   float weighted_loss() const { return cfg_.aux_loss_weight * aux_loss_ + cfg_.z_loss_weight * z_loss_; }
   const Routing& routing() const { return routing_; }
 
+  // Expert parallelism over `group` (null or a group of 1: this process holds the whole batch).
+  // With P = group->size() > 1, forward's N tokens are this rank's share of a global batch whose
+  // tokens are ordered by rank (rank 0's first); experts [rank*E/P, (rank+1)*E/P) run here on the
+  // rows every rank sends them (alltoallv), and the results go back the same way. Aux and z losses,
+  // f_e, P_e and capacity dropping are those of the global batch (the same numbers on every rank),
+  // so the mathematics is that of one process running the whole batch (DESIGN invariant 1).
+  // Gradients: this rank's share of every term; an expert's weight gradient is complete on its
+  // owner rank and zero elsewhere. Every rank of the group must call forward/backward together.
+  // Collective failures throw std::runtime_error naming the rank and operation.
+  // REQUIRES: E % P == 0; the group outlives the layer.
+  void set_expert_parallel(comm::Communicator* group);
+  // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
+  int64_t expert_rows() const { return expert_rows_; }
+
  private:
   MoeConfig cfg_;
   int64_t max_tokens_;
@@ -95,6 +112,24 @@ class MoeLayer {
   Tensor xp_, h1_, h3_, act_, outp_, row_weight_;
   Tensor dout_p_, dgate_, dh_, dh3_, dact_, dxp_, dprobs_, dlogits_;
   std::vector<int64_t> layout_scratch_;  // [layout_scratch_size(E, K)], see layout.h
+  int64_t expert_rows_ = 0;
+
+  // ---- expert parallelism (see set_expert_parallel) ----
+  void forward_ep(float* y, const float* x, int64_t N);
+  void backward_ep(float* dx, const float* dy);
+  comm::Communicator* ep_ = nullptr;
+  int64_t loss_tokens_ = 0;                 // tokens of the global batch
+  std::vector<int64_t> local_counts_;       // [K*E] this rank's choice-k assignments to e (k-major)
+  std::vector<int64_t> all_counts_;         // [P*K*E] every rank's local_counts_
+  std::vector<double> stats_;               // [E+2] sum probs per expert, sum lse^2, tokens
+  std::vector<int64_t> prior_;              // [E*K] see layout_build
+  std::vector<int64_t> recv_tpe_;           // [P*El] rows from rank s for my local expert el
+  std::vector<int64_t> send_counts_, send_displs_, recv_counts_, recv_displs_;  // [P], in floats
+  std::vector<int32_t> perm_, inv_perm_;    // expert-major row i <- source-major row perm_[i]
+  std::vector<int64_t> local_offset_;       // [El+1] rows of my local experts, expert-major
+  // Rows received for my experts (up to P*max_tokens*K): source-major (as the alltoallv delivers
+  // them) and expert-major (one contiguous block per local expert, for the GEMMs).
+  Tensor xr_, xe_, ye_, yr_, dr_, de_, dxe_, dxr_;
 };
 
 }  // namespace moe

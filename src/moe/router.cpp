@@ -78,13 +78,14 @@ RouterLosses router_loss_forward(float* lse, float* load_frac, float* mean_prob,
 void router_backward(float* dx, float* dweight, float* dprobs, float* dlogits, const float* dgate,
                      const Routing& r, const float* probs, const float* lse, const float* load_frac,
                      const float* x, const float* weight, int64_t N, int64_t C, int64_t E, bool renormalize,
-                     float aux_loss_weight, float z_loss_weight) {
+                     float aux_loss_weight, float z_loss_weight, int64_t loss_tokens) {
   if (N == 0) return;
   const int64_t K = r.K;
   const bool renorm = gate_renormalized(K, renormalize);
+  const float n_mean = static_cast<float>(loss_tokens > 0 ? loss_tokens : N);
   // d aux / d probs[n,e] = E * f_e / N (f_e is treated as a constant: Switch Transformer).
-  const float aux_scale = aux_loss_weight * static_cast<float>(E) / static_cast<float>(N);
-  const float z_scale = z_loss_weight * 2.0f / static_cast<float>(N);
+  const float aux_scale = aux_loss_weight * static_cast<float>(E) / n_mean;
+  const float z_scale = z_loss_weight * 2.0f / n_mean;
 #pragma omp parallel for schedule(static) if (N * E > 16384)
   for (int64_t n = 0; n < N; ++n) {
     float* dp = dprobs + n * E;

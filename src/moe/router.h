@@ -48,12 +48,14 @@ RouterLosses router_loss_forward(float* lse /*[N]*/, float* load_frac /*[E]*/, f
 //   dgate [N*K]: d(loss)/d(gate weight) of each assignment (combine_backward; 0 for dropped ones);
 //                null = no gate-weight gradient (only the aux/z terms flow).
 // ACCUMULATES into dx and dweight (null = skip). dprobs and dlogits are scratch (overwritten).
+// loss_tokens: the token count the aux and z means run over (0 = N; a distributed caller passes the
+// global batch's, and load_frac must then hold the global f_e).
 // REQUIRES: router_forward + router_loss_forward on the same x, and r.weight as left by layout
 // (dropped assignments may be zeroed; their dgate must then be 0, which combine_backward ensures).
 void router_backward(float* dx /*[N,C] or null*/, float* dweight /*[E,C] or null*/, float* dprobs /*[N,E]*/,
                      float* dlogits /*[N,E]*/, const float* dgate /*[N*K] or null*/, const Routing& r,
                      const float* probs /*[N,E]*/, const float* lse /*[N]*/, const float* load_frac /*[E]*/,
                      const float* x /*[N,C]*/, const float* weight /*[E,C]*/, int64_t N, int64_t C, int64_t E,
-                     bool renormalize, float aux_loss_weight, float z_loss_weight);
+                     bool renormalize, float aux_loss_weight, float z_loss_weight, int64_t loss_tokens = 0);
 
 }  // namespace moe

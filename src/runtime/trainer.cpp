@@ -2,6 +2,10 @@
 
 #include <omp.h>
 
+#include <cstdlib>
+#include <stdexcept>
+#include <thread>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/mpi_communicator.h"
 #include "model/checkpoint.h"
 #include "model/data.h"
 #include "model/model.h"
@@ -42,15 +47,54 @@ double imbalance(const std::vector<int64_t>& tokens_per_expert) {
   return static_cast<double>(mx) * tokens_per_expert.size() / total;
 }
 
-// Mean cross-entropy over the first eval_batches validation batches (the same windows every time).
-double evaluate(Model& model, const TextDataset& ds, int64_t B, int64_t batches, std::vector<int32_t>& tokens,
-                std::vector<int32_t>& targets) {
+// This process's place among the ranks of the job (one rank when not started by mpirun).
+struct Ranks {
+  std::unique_ptr<comm::MpiSession> session;
+  std::unique_ptr<comm::Communicator> world;
+  int rank = 0, size = 1;
+  bool lead() const { return rank == 0; }
+  // Sum over ranks (identity with one rank).
+  Status sum(double* x, int64_t n) { return world ? world->allreduce(x, n) : Status::ok(); }
+  Status sum(int64_t* x, int64_t n) { return world ? world->allreduce(x, n) : Status::ok(); }
+};
+
+bool started_by_mpirun() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+}
+
+// Mean cross-entropy over the first eval_batches validation batches (the same windows every time),
+// each rank evaluating its rows of every batch.
+Status evaluate(Model& model, const TextDataset& ds, Ranks& ranks, int64_t B, int64_t batches, double* out) {
+  const int64_t T = ds.seq_len(), Bl = B / ranks.size;
+  std::vector<int32_t> tokens(B * T), targets(B * T);
   double sum = 0;
   for (int64_t i = 0; i < batches; ++i) {
     ds.val_batch(i, B, tokens.data(), targets.data());
-    sum += model.forward(tokens.data(), targets.data(), B);
+    const int64_t first = ranks.rank * Bl * T;
+    sum += model.forward(tokens.data() + first, targets.data() + first, Bl);
   }
-  return sum / static_cast<double>(batches);
+  if (Status s = ranks.sum(&sum, 1); !s) return s;
+  *out = sum / static_cast<double>(batches * ranks.size);
+  return Status::ok();
+}
+
+// Every rank must run the same configuration on the same data; says which rank differs and how.
+Status check_same_everywhere(Ranks& ranks, const TrainConfig& cfg, const TextDataset& ds) {
+  if (!ranks.world) return Status::ok();
+  const std::string text = cfg.to_json().dump();
+  int64_t mine[3] = {static_cast<int64_t>(fnv1a64(text.data(), text.size())),
+                     static_cast<int64_t>(ds.content_hash()), ds.total_bytes()};
+  std::vector<int64_t> all(3 * ranks.size);
+  if (Status s = ranks.world->allgather(mine, 3, all.data()); !s) return s;
+  for (int r = 1; r < ranks.size; ++r) {
+    if (all[3 * r] != all[0])
+      return Status::error("rank " + std::to_string(r) + " has a different configuration than rank 0 " +
+                           "(same flags and --config file on every rank?)");
+    if (all[3 * r + 1] != all[1] || all[3 * r + 2] != all[2])
+      return Status::error("rank " + std::to_string(r) + " read different data than rank 0 (" +
+                           std::to_string(all[3 * r + 2]) + " vs " + std::to_string(all[2]) + " bytes)");
+  }
+  return Status::ok();
 }
 
 // The parts of the config a resumed run must share with the checkpoint for the result to be the run
@@ -82,11 +126,16 @@ class MetricsWriter {
   std::ofstream out_;
 };
 
-}  // namespace
-
-Status run_training(const TrainConfig& cfg) {
-  if (cfg.threads > 0) omp_set_num_threads(cfg.threads);
+Status train(const TrainConfig& cfg, Ranks& ranks) {
   const int64_t B = cfg.batch_size, T = cfg.model.seq_len;
+  if (B % ranks.size != 0)
+    return Status::error("config: batch_size (" + std::to_string(B) + ") must be a multiple of the ranks (" +
+                         std::to_string(ranks.size) + ")");
+  if (cfg.model.n_experts % ranks.size != 0)
+    return Status::error("config: n_experts (" + std::to_string(cfg.model.n_experts) +
+                         ") must be a multiple of the ranks (" + std::to_string(ranks.size) +
+                         "): experts are divided evenly among ranks");
+  const int64_t Bl = B / ranks.size;  // this rank's rows of each global batch
 
   // ---- data ----
   DataOptions dopt;
@@ -100,10 +149,15 @@ Status run_training(const TrainConfig& cfg) {
   }
   TextDataset ds;
   if (Status s = TextDataset::open(data_path, dopt, &ds); !s) return s;
+  if (Status s = check_same_everywhere(ranks, cfg, ds); !s) return s;
 
-  // ---- model and optimizer ----
-  Model model(cfg.model, B);
+  // ---- model and optimizer: every rank holds every parameter and applies the same update ----
+  Model model(cfg.model, Bl);
   model.init(cfg.seed);
+  if (ranks.world) {
+    model.set_expert_parallel(ranks.world.get());
+    model.set_ce_grad_scale(1.0f / static_cast<float>(ranks.size));
+  }
   AdamWConfig ocfg;
   ocfg.lr = static_cast<float>(cfg.lr);
   ocfg.beta1 = static_cast<float>(cfg.beta1);
@@ -134,6 +188,15 @@ Status run_training(const TrainConfig& cfg) {
     if (start >= cfg.steps)
       return Status::error("resume: checkpoint " + cfg.resume + " is at step " + std::to_string(start) +
                            ", nothing left of " + std::to_string(cfg.steps) + " steps");
+    // Continue with the GEMM kernel that wrote the checkpoint (the two backends round differently).
+    if (state.contains("gemm") && state["gemm"].is_string() && !std::getenv("MOE_GEMM"))
+      pin_gemm_backend(state["gemm"].get<std::string>(), "as in checkpoint " + cfg.resume);
+  }
+  // Every rank uses rank 0's GEMM backend, so replicas stay bit-identical whatever each measured.
+  if (ranks.world) {
+    int64_t onednn = ranks.lead() ? (gemm_backend_name() == "onednn") : 0;
+    if (Status s = ranks.world->broadcast(&onednn, 1, 0); !s) return s;
+    if (!ranks.lead()) pin_gemm_backend(onednn ? "onednn" : "openblas", "rank 0's choice");
   }
   const int64_t end = cfg.stop_at_step > 0 ? cfg.stop_at_step : cfg.steps;
   if (end <= start)
@@ -141,41 +204,65 @@ Status run_training(const TrainConfig& cfg) {
                          std::to_string(start));
 
   MetricsWriter metrics;
-  if (Status s = metrics.open(cfg.metrics, start > 0); !s) return s;
+  if (ranks.lead())
+    if (Status s = metrics.open(cfg.metrics, start > 0); !s) return s;
+  // Only the lead rank speaks; the others run silently.
+  auto say = [&](const char* fmt, auto... args) {
+    if (!ranks.lead()) return;
+    std::printf(fmt, args...);
+    std::fflush(stdout);
+  };
 
-  std::printf("moe train: %lld parameters (L%lld C%lld E%lld K%lld F%lld T%lld), %s %s\n",
-              static_cast<long long>(model.num_params()), (long long)cfg.model.n_layers, (long long)cfg.model.d_model,
-              (long long)cfg.model.n_experts, (long long)cfg.model.top_k, (long long)cfg.model.d_ffn, (long long)T,
-              cfg.model.activation.c_str(), cfg.model.norm.c_str());
-  std::printf("data: %s, %zu files, %.2f MB train / %.2f MB validation, unigram byte entropy %.4f nats\n",
-              data_path.c_str(), ds.files().size(), ds.train_bytes() / 1e6, ds.val_bytes() / 1e6,
-              ds.unigram_entropy());
-  std::printf("gemm: %s; %d threads; batch %lld x %lld tokens; %lld steps\n", gemm_backend().c_str(),
-              omp_get_max_threads(), (long long)B, (long long)T, (long long)cfg.steps);
-  if (start > 0) std::printf("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
-  std::fflush(stdout);
+  say("moe train: %lld parameters (L%lld C%lld E%lld K%lld F%lld T%lld), %s %s\n",
+      static_cast<long long>(model.num_params()), (long long)cfg.model.n_layers, (long long)cfg.model.d_model,
+      (long long)cfg.model.n_experts, (long long)cfg.model.top_k, (long long)cfg.model.d_ffn, (long long)T,
+      cfg.model.activation.c_str(), cfg.model.norm.c_str());
+  say("data: %s, %zu files, %.2f MB train / %.2f MB validation, unigram byte entropy %.4f nats\n",
+      data_path.c_str(), ds.files().size(), ds.train_bytes() / 1e6, ds.val_bytes() / 1e6, ds.unigram_entropy());
+  say("ranks: %d (expert parallel: %lld experts per rank; %lld of %lld sequences per rank per step)\n", ranks.size,
+      (long long)(cfg.model.n_experts / ranks.size), (long long)Bl, (long long)B);
+  say("gemm: %s; %d threads per rank; batch %lld x %lld tokens; %lld steps\n", gemm_backend().c_str(),
+      omp_get_max_threads(), (long long)B, (long long)T, (long long)cfg.steps);
+  if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
 
+  // Every rank holds identical parameters and moments, so the lead rank writes the checkpoint and
+  // tells the others whether it succeeded (all ranks then return the same Status).
   auto save = [&](int64_t step) -> Status {
     json state{{"step", step},
                {"data_hash", hex64(ds.content_hash())},
+               {"gemm", gemm_backend_name()},
                {"identity", resume_identity(cfg)},
-               {"config", cfg.to_json()}};
-    return save_checkpoint(cfg.checkpoint_dir, model.params(), opt, state);
+               {"config", cfg.to_json()},
+               {"ranks", ranks.size}};
+    Status s = ranks.lead() ? save_checkpoint(cfg.checkpoint_dir, model.params(), opt, state) : Status::ok();
+    int64_t failed = s ? 0 : 1;
+    if (Status c = ranks.sum(&failed, 1); !c) return c;
+    if (failed && s) return Status::error("checkpoint: rank 0 could not write " + cfg.checkpoint_dir);
+    return s;
   };
 
-  std::vector<int32_t> tokens(B * T), targets(B * T);
+  std::vector<int32_t> tokens(Bl * T), targets(Bl * T);
+  std::vector<int64_t> load_buf;
   double last_val = std::nan("");
   double window_loss = 0, window_seconds = 0;
   int64_t window_steps = 0;
   for (int64_t step = start; step < end; ++step) {
     auto t0 = Clock::now();
-    ds.batch(step, B, tokens.data(), targets.data());
+    ds.batch_rows(step, B, ranks.rank * Bl, Bl, tokens.data(), targets.data());
     model.zero_grad();
-    double loss = model.forward(tokens.data(), targets.data(), B);
+    double loss = model.forward(tokens.data(), targets.data(), Bl);
+    model.backward();
+    if (ranks.world) {
+      // Each rank's gradients are its share of the global batch's (Model::set_ce_grad_scale; an
+      // expert's gradient is non-zero only on its owner), so their sum is the whole batch's.
+      for (Param* p : model.params())
+        if (Status s = ranks.world->allreduce(p->grad.data(), static_cast<int64_t>(p->grad.numel())); !s) return s;
+      if (Status s = ranks.sum(&loss, 1); !s) return s;
+      loss /= ranks.size;
+    }
     if (!std::isfinite(loss) || !std::isfinite(model.moe_loss()))
       return Status::error("training diverged: loss is " + std::to_string(loss) + " at step " +
                            std::to_string(step + 1) + " (try a lower --lr)");
-    model.backward();
     double grad_norm = opt.clip_grad_norm(cfg.grad_clip > 0 ? static_cast<float>(cfg.grad_clip)
                                                             : std::numeric_limits<float>::infinity());
     float lr = lr_at(step, cfg.steps, cfg.warmup_steps, static_cast<float>(cfg.lr), static_cast<float>(cfg.min_lr));
@@ -187,11 +274,35 @@ Status run_training(const TrainConfig& cfg) {
 
     const int64_t done = step + 1;
     std::vector<LayerLoad> loads = model.load_stats();
+    // Global load: kept assignments per expert summed over ranks; rows each rank's experts ran.
+    const int64_t E = cfg.model.n_experts;
+    load_buf.assign(loads.size() * (E + 1), 0);
+    std::vector<int64_t> rows_mine(loads.size()), rows_all(loads.size() * ranks.size);
+    for (size_t i = 0; i < loads.size(); ++i) {
+      std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), load_buf.begin() + i * (E + 1));
+      load_buf[i * (E + 1) + E] = loads[i].dropped;
+      rows_mine[i] = model.moe_layer(loads[i].layer)->expert_rows();
+    }
+    if (Status s = ranks.sum(load_buf.data(), static_cast<int64_t>(load_buf.size())); !s) return s;
+    if (ranks.world) {
+      if (Status s = ranks.world->allgather(rows_mine.data(), static_cast<int64_t>(rows_mine.size()), rows_all.data());
+          !s)
+        return s;
+    } else {
+      rows_all = rows_mine;
+    }
     json per_layer_tokens = json::array(), per_layer_imbalance = json::array(), per_layer_dropped = json::array();
-    for (const LayerLoad& l : loads) {
-      per_layer_tokens.push_back(l.tokens_per_expert);
-      per_layer_imbalance.push_back(imbalance(l.tokens_per_expert));
-      per_layer_dropped.push_back(l.dropped);
+    json per_layer_rank_tokens = json::array(), per_layer_rank_imbalance = json::array();
+    for (size_t i = 0; i < loads.size(); ++i) {
+      loads[i].tokens_per_expert.assign(load_buf.begin() + i * (E + 1), load_buf.begin() + i * (E + 1) + E);
+      loads[i].dropped = load_buf[i * (E + 1) + E];
+      per_layer_tokens.push_back(loads[i].tokens_per_expert);
+      per_layer_imbalance.push_back(imbalance(loads[i].tokens_per_expert));
+      per_layer_dropped.push_back(loads[i].dropped);
+      std::vector<int64_t> per_rank(ranks.size);
+      for (int r = 0; r < ranks.size; ++r) per_rank[r] = rows_all[r * loads.size() + i];
+      per_layer_rank_tokens.push_back(per_rank);
+      per_layer_rank_imbalance.push_back(imbalance(per_rank));
     }
     metrics.write({{"step", done},
                    {"loss", loss},
@@ -202,6 +313,8 @@ Status run_training(const TrainConfig& cfg) {
                    {"step_ms", seconds * 1e3},
                    {"tokens_per_s", B * T / seconds},
                    {"load_imbalance", per_layer_imbalance},
+                   {"tokens_per_rank", per_layer_rank_tokens},
+                   {"rank_imbalance", per_layer_rank_imbalance},
                    {"dropped", per_layer_dropped},
                    {"tokens_per_expert", per_layer_tokens}});
 
@@ -213,11 +326,10 @@ Status run_training(const TrainConfig& cfg) {
         load << buf;
       }
       // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
-      std::printf("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
-                  (long long)done, (long long)cfg.steps, window_loss / window_steps,
-                  model.aux_loss() / std::max<size_t>(1, loads.size()), lr, grad_norm,
-                  window_steps * B * T / window_seconds, load.str().c_str());
-      std::fflush(stdout);
+      say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
+          (long long)done, (long long)cfg.steps, window_loss / window_steps,
+          model.aux_loss() / std::max<size_t>(1, loads.size()), lr, grad_norm, window_steps * B * T / window_seconds,
+          load.str().c_str());
       window_loss = window_seconds = 0;
       window_steps = 0;
     }
@@ -225,29 +337,57 @@ Status run_training(const TrainConfig& cfg) {
     const bool last = done == end;
     if ((cfg.eval_every > 0 && done % cfg.eval_every == 0) || (last && done == cfg.steps)) {
       auto e0 = Clock::now();
-      last_val = evaluate(model, ds, B, cfg.eval_batches, tokens, targets);
+      if (Status s = evaluate(model, ds, ranks, B, cfg.eval_batches, &last_val); !s) return s;
       double es = std::chrono::duration<double>(Clock::now() - e0).count();
-      std::printf("step %5lld/%lld  validation loss %.4f  (%lld windows, %.1f s)\n", (long long)done,
-                  (long long)cfg.steps, last_val, (long long)(cfg.eval_batches * B), es);
-      std::fflush(stdout);
+      say("step %5lld/%lld  validation loss %.4f  (%lld windows, %.1f s)\n", (long long)done, (long long)cfg.steps,
+          last_val, (long long)(cfg.eval_batches * B), es);
       metrics.write({{"step", done}, {"val_loss", last_val}});
     }
     if (!cfg.checkpoint_dir.empty() && ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || last)) {
       if (Status s = save(done); !s) return s;
-      std::printf("checkpoint: step %lld written to %s\n", (long long)done, cfg.checkpoint_dir.c_str());
-      std::fflush(stdout);
+      say("checkpoint: step %lld written to %s\n", (long long)done, cfg.checkpoint_dir.c_str());
     }
   }
 
   if (end < cfg.steps) {
-    std::printf("stopped at step %lld of %lld%s\n", (long long)end, (long long)cfg.steps,
-                cfg.checkpoint_dir.empty() ? "" : "; resume with --resume <checkpoint-dir>");
+    say("stopped at step %lld of %lld%s\n", (long long)end, (long long)cfg.steps,
+        cfg.checkpoint_dir.empty() ? "" : "; resume with --resume <checkpoint-dir>");
     return Status::ok();
   }
   const double h = ds.unigram_entropy();
-  std::printf("validation loss %.4f nats; unigram byte entropy %.4f nats; %.1f%% below\n", last_val, h,
-              100.0 * (h - last_val) / h);
+  say("validation loss %.4f nats; unigram byte entropy %.4f nats; %.1f%% below\n", last_val, h,
+      100.0 * (h - last_val) / h);
   return Status::ok();
+}
+
+}  // namespace
+
+Status run_training(const TrainConfig& cfg) {
+  Ranks ranks;
+  if (started_by_mpirun()) {
+    if (Status s = comm::MpiSession::start(&ranks.session); !s) return s;
+    if (Status s = ranks.session->world(&ranks.world); !s) return s;
+    ranks.rank = ranks.world->rank();
+    ranks.size = ranks.world->size();
+    if (ranks.size == 1) ranks.world.reset();  // one rank: the single-process path, no collectives
+  }
+  // Threads: as asked, else this machine's cores shared among the ranks placed on it.
+  int threads = cfg.threads;
+  if (threads == 0 && ranks.size > 1) {
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int per_node = local ? std::max(1, std::atoi(local)) : 1;
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / per_node);
+  }
+  if (threads > 0) omp_set_num_threads(threads);
+  Status s;
+  try {
+    s = train(cfg, ranks);
+  } catch (const std::exception& e) {
+    s = Status::error(e.what());
+  }
+  // A rank that fails while others may sit in a collective must take the job down, or they hang.
+  if (!s && ranks.size > 1) comm::abort_job(s);
+  return s;
 }
 
 }  // namespace moe

@@ -73,7 +73,18 @@ struct Choice {
   std::string why;
 };
 
+// A backend pinned by pin_gemm_backend() (e.g. from a checkpoint) wins over measurement.
+Choice& pinned() {
+  static Choice p;
+  return p;
+}
+bool& is_pinned() {
+  static bool b = false;
+  return b;
+}
+
 const Choice& choice() {
+  if (is_pinned()) return pinned();
   static Choice c;
   static std::once_flag once;
   std::call_once(once, [] {
@@ -112,6 +123,14 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 }
 
 std::string gemm_backend() { return choice().why; }
+
+std::string gemm_backend_name() { return choice().backend == Backend::onednn ? "onednn" : "openblas"; }
+
+void pin_gemm_backend(const std::string& name, const std::string& reason) {
+  pinned().backend = parse(name);
+  pinned().why = name + " (" + reason + ")";
+  is_pinned() = true;
+}
 
 void gemm_with(const std::string& backend, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {

@@ -23,6 +23,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 // Which backend gemm() uses, and why (e.g. "onednn (measured 101 vs 22 GFLOP/s)").
 std::string gemm_backend();
+// Just its name: "onednn" or "openblas".
+std::string gemm_backend_name();
+// Makes gemm() use `name` ("onednn" or "openblas", else std::invalid_argument) from now on, without
+// measuring. The two backends round differently, so bit-exact continuation (resume, every rank of a
+// job) needs one backend: a checkpoint records it, and ranks adopt rank 0's. Call before training
+// starts; not thread-safe against concurrent gemm() calls.
+void pin_gemm_backend(const std::string& name, const std::string& reason);
 // The same GEMM through a named backend ("onednn" or "openblas"); for benchmarks and tests.
 void gemm_with(const std::string& backend, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
