@@ -2,6 +2,7 @@
 // among ranks, tokens exchanged by alltoallv, gradients summed by allreduce) computes the same
 // mathematics as one process on the same global batch: the same loss trajectory and the same final
 // parameters, at float tolerance. Also: resuming with a different rank count, mismatched ranks.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -25,8 +26,9 @@ struct TrainRun {
 };
 
 // Runs `moe train ARGS` on `ranks` MPI ranks (ranks == 0: no mpirun at all), bounded in time.
-TrainRun train(int ranks, const std::string& args) {
-  std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
+TrainRun train(int ranks, const std::string& args, const std::string& extra_env = "") {
+  std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 " +
+                    extra_env + " ";
   std::string launch = ranks > 0 ? std::string(MOE_MPIEXEC) + " -n " + std::to_string(ranks) + " " : "";
   std::string cmd = env + "timeout -k 5 240 " + launch + MOE_BIN + " train " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
@@ -122,7 +124,7 @@ TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
       EXPECT_NE(ref.output.find("ranks: 1"), std::string::npos);
     }
     for (int ranks : {1, 2, 4}) {
-      fs::path ck = dir_ / ("r" + std::to_string(ranks));
+      fs::path ck = dir_ / std::string("r").append(std::to_string(ranks));
       TrainRun r = train(ranks, args + "--checkpoint-dir " + ck.string());
       expect_same_run(std::to_string(ranks) + " rank(s) vs one process", ref, r);
       if (r.exit_code == 0) {
@@ -152,6 +154,26 @@ TEST_F(Distributed, IndivisibleSplitsAreRejectedOnEveryRank) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("n_experts (3) must be a multiple of the ranks (2)"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+}
+
+// A rank that dies, fails or stops responding mid-step takes the whole job down with an error that
+// names it, within the communication timeout: nothing hangs (MOE_FAULT injects the fault).
+TEST_F(Distributed, AFailingRankStopsTheJobNamingIt) {
+  struct Case {
+    std::string fault, needle;
+  };
+  for (const Case& c : {Case{"kill:1:3", "rank 1"}, Case{"error:1:3", "rank 1: injected fault"},
+                        Case{"hang:1:3", "did not complete within 3 s"}}) {
+    SCOPED_TRACE(c.fault);
+    auto t0 = std::chrono::steady_clock::now();
+    TrainRun r = train(2, model_flags() + "--top-k 2 --steps 6 --comm-timeout 3", "MOE_FAULT=" + c.fault);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("  %s: exit %d after %.1f s\n", c.fault.c_str(), r.exit_code, seconds);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(c.needle), std::string::npos) << r.output;
+    EXPECT_LT(seconds, 60) << "the job must end within the timeout, not hang";
+    EXPECT_EQ(r.output.find("step     6/6"), std::string::npos) << r.output;
+  }
 }
 
 }  // namespace

@@ -57,7 +57,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--checkpoint-every", &TrainConfig::checkpoint_every, "checkpoint every N steps too");
   bind_flag(c, f, "--resume", &TrainConfig::resume, "resume from checkpoint DIR");
   bind_flag(c, f, "--stop-at-step", &TrainConfig::stop_at_step, "stop at step N with a checkpoint (schedule unchanged)");
-  bind_flag(c, f, "--threads", &TrainConfig::threads, "compute threads (0: all cores)");
+  bind_flag(c, f, "--threads", &TrainConfig::threads, "compute threads per rank (0: the cores shared among ranks)");
+  bind_flag(c, f, "--comm-timeout", &TrainConfig::comm_timeout_s,
+            "seconds a collective may take before the job stops with an error naming the rank");
   bind_model_flag(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");
   bind_model_flag(c, f, "--d-model", &ModelConfig::d_model, "model width C");
   bind_model_flag(c, f, "--layers", &ModelConfig::n_layers, "transformer blocks L");

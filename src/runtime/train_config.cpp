@@ -54,6 +54,7 @@ Status TrainConfig::validate() const {
   if (checkpoint_every < 0) return fail("checkpoint_every must be >= 0");
   if (checkpoint_every > 0 && checkpoint_dir.empty()) return fail("checkpoint_every needs checkpoint_dir");
   if (threads < 0) return fail("threads must be >= 0");
+  if (!(comm_timeout_s > 0)) return fail("comm_timeout_s must be > 0");
   if (stop_at_step < 0 || stop_at_step > steps)
     return fail("stop_at_step (" + std::to_string(stop_at_step) + ") must be in [0, steps]");
   namespace fs = std::filesystem;
@@ -91,6 +92,7 @@ json TrainConfig::to_json() const {
               {"resume", resume},
               {"stop_at_step", stop_at_step},
               {"threads", threads},
+              {"comm_timeout_s", comm_timeout_s},
               {"model", model.to_json()}};
 }
 
@@ -100,7 +102,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
   static const char* kKeys[] = {"data", "steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay",
                                 "grad_clip", "beta1", "beta2", "seed", "val_fraction", "log_every", "eval_every",
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
-                                "stop_at_step", "threads", "model"};
+                                "stop_at_step", "threads", "comm_timeout_s", "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -118,7 +120,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "checkpoint_dir", &c.checkpoint_dir)) &&
       (s = read_key(j, "checkpoint_every", &c.checkpoint_every)) && (s = read_key(j, "resume", &c.resume)) &&
       (s = read_key(j, "stop_at_step", &c.stop_at_step)) &&
-      (s = read_key(j, "threads", &c.threads))) {
+      (s = read_key(j, "threads", &c.threads)) && (s = read_key(j, "comm_timeout_s", &c.comm_timeout_s))) {
   }
   if (!s) return s;
   if (auto it = j.find("model"); it != j.end()) {

@@ -40,7 +40,8 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;   // also every N steps; the final one is always written if dir set
   std::string resume;             // checkpoint directory to resume from
   int64_t stop_at_step = 0;       // stop early at this step (checkpoint written), schedule unchanged; 0 = run to steps
-  int threads = 0;                // OpenMP threads; 0 = all cores
+  int threads = 0;                // OpenMP threads; 0 = all cores (shared among the ranks on a machine)
+  double comm_timeout_s = 60;     // a collective not done by then fails, naming the rank and operation
 
   // Every field and combination; the message names the key and value.
   Status validate() const;

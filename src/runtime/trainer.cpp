@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
@@ -57,6 +58,34 @@ struct Ranks {
   Status sum(double* x, int64_t n) { return world ? world->allreduce(x, n) : Status::ok(); }
   Status sum(int64_t* x, int64_t n) { return world ? world->allreduce(x, n) : Status::ok(); }
 };
+
+// Fault injection for the failure tests: MOE_FAULT=<kind>:<rank>:<step> makes that rank, at the
+// start of that (1-based) step, die by SIGKILL (kill), fail with an error (error), or stop
+// responding without dying (hang). Nothing happens without the variable.
+struct Fault {
+  std::string kind;
+  int rank = -1;
+  int64_t step = -1;
+};
+Fault fault_from_env() {
+  Fault f;
+  const char* v = std::getenv("MOE_FAULT");
+  if (!v) return f;
+  std::string s(v);
+  size_t a = s.find(':'), b = s.rfind(':');
+  if (a == std::string::npos || a == b) return f;
+  f.kind = s.substr(0, a);
+  f.rank = std::atoi(s.substr(a + 1, b - a - 1).c_str());
+  f.step = std::atoll(s.substr(b + 1).c_str());
+  return f;
+}
+Status inject(const Fault& f, int rank, int64_t step) {
+  if (f.rank != rank || f.step != step) return Status::ok();
+  if (f.kind == "kill") std::raise(SIGKILL);
+  if (f.kind == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
+  if (f.kind == "error") return Status::error("injected fault (MOE_FAULT) at step " + std::to_string(step));
+  return Status::ok();
+}
 
 bool started_by_mpirun() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
@@ -246,7 +275,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   double last_val = std::nan("");
   double window_loss = 0, window_seconds = 0;
   int64_t window_steps = 0;
+  const Fault fault = fault_from_env();
   for (int64_t step = start; step < end; ++step) {
+    if (Status s = inject(fault, ranks.rank, step + 1); !s) return s;
     auto t0 = Clock::now();
     ds.batch_rows(step, B, ranks.rank * Bl, Bl, tokens.data(), targets.data());
     model.zero_grad();
@@ -366,7 +397,8 @@ Status run_training(const TrainConfig& cfg) {
   Ranks ranks;
   if (started_by_mpirun()) {
     if (Status s = comm::MpiSession::start(&ranks.session); !s) return s;
-    if (Status s = ranks.session->world(&ranks.world); !s) return s;
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.comm_timeout_s * 1000));
+    if (Status s = ranks.session->world(&ranks.world, timeout); !s) return s;
     ranks.rank = ranks.world->rank();
     ranks.size = ranks.world->size();
     if (ranks.size == 1) ranks.world.reset();  // one rank: the single-process path, no collectives
