@@ -149,10 +149,35 @@ TEST_F(Distributed, ResumeWithADifferentRankCount) {
   EXPECT_LT(max_param_diff(dir_ / "full", dir_ / "end"), kParamTol);
 }
 
-TEST_F(Distributed, IndivisibleSplitsAreRejectedOnEveryRank) {
-  TrainRun r = train(2, model_flags() + "--experts 3 --top-k 1 --steps 2");
+// Fewer experts than ranks, or counts that share only a small factor: expert-parallel groups of
+// gcd(E, ranks) ranks each hold one replica of every expert, tokens are exchanged inside a group,
+// and expert gradients are summed over the replicas. Capacity dropping still follows the global
+// batch order across groups.
+TEST_F(Distributed, ReplicatedExpertsGiveTheSameMath) {
+  struct Case {
+    int ranks;
+    std::string flags, groups;
+  };
+  for (const Case& c : {Case{4, "--experts 2 --top-k 1 --capacity-factor 0.75", "groups of 2"},
+                        Case{2, "--experts 3 --top-k 2", "groups of 1"}}) {
+    SCOPED_TRACE(c.flags);
+    std::string args = model_flags() + c.flags + " --steps 5 --warmup-steps 2 ";
+    TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string());
+    ASSERT_EQ(ref.exit_code, 0) << ref.output;
+    fs::path ck = dir_ / std::string("r").append(std::to_string(c.ranks));
+    TrainRun r = train(c.ranks, args + "--checkpoint-dir " + ck.string());
+    expect_same_run(std::to_string(c.ranks) + " ranks, " + c.flags, ref, r);
+    EXPECT_NE(r.output.find(c.groups), std::string::npos) << r.output;
+    if (r.exit_code == 0) EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+}
+
+TEST_F(Distributed, IndivisibleBatchIsRejectedOnEveryRank) {
+  TrainRun r = train(4, model_flags() + "--batch-size 6 --steps 2");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("n_experts (3) must be a multiple of the ranks (2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("batch_size (6) must be a multiple of the ranks (4)"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
 }
 

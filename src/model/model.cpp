@@ -235,13 +235,13 @@ void Model::norm_backward(float* dinp, Param* w, Param* b, const float* dout, co
   }
 }
 
-double Model::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
+void Model::begin_step(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
   if (T == 0) T = cfg_.seq_len;
   if (B < 1 || B > max_batch_)
     throw std::logic_error("Model::forward: B (" + std::to_string(B) + ") not in [1, max_batch]");
   if (T < 1 || T > cfg_.seq_len)
     throw std::logic_error("Model::forward: T (" + std::to_string(T) + ") not in [1, seq_len]");
-  const int64_t V = cfg_.vocab_size, C = cfg_.d_model, NH = cfg_.n_heads, F = cfg_.d_ffn, N = B * T;
+  const int64_t V = cfg_.vocab_size, N = B * T;
   for (int64_t i = 0; i < N; ++i) {
     if (tokens[i] < 0 || tokens[i] >= V) throw std::logic_error("Model::forward: token out of [0, V)");
     if (targets && (targets[i] < 0 || targets[i] >= V))
@@ -250,95 +250,168 @@ double Model::forward(const int32_t* tokens, const int32_t* targets, int64_t B, 
   B_ = B;
   T_ = T;
   have_targets_ = targets != nullptr;
+  loss_ = std::nan("");
   std::memcpy(tokens_.data(), tokens, static_cast<size_t>(N) * sizeof(int32_t));
   if (targets) std::memcpy(targets_.data(), targets, static_cast<size_t>(N) * sizeof(int32_t));
+}
 
-  embedding_forward(encoded_.data(), tokens_.data(), wte_->value.data(), wpe_->value.data(), B, T, C);
-  const float* x = encoded_.data();  // [B,T,C] input of the current block
-  for (auto& bp : blocks_) {
-    Block& b = *bp;
-    // h = x + proj(attention(qkv(norm1(x))))
-    norm_forward(b.ln1.data(), b.ln1_mean.data(), b.ln1_rstd.data(), x, b.norm1_w, b.norm1_b, N);
-    linear_forward(b.qkv.data(), b.ln1.data(), b.qkv_w->value.data(), N, C, 3 * C);
-    attention_forward(b.atty.data(), preatt_.data(), b.att.data(), b.qkv.data(), B, T, C, NH);
-    linear_forward(tmp_.data(), b.atty.data(), b.proj_w->value.data(), N, C, C);
-    add_to(b.resid_mid.data(), x, tmp_.data(), N * C);
-    // out = h + ffn(norm2(h))
-    norm_forward(b.ln2.data(), b.ln2_mean.data(), b.ln2_rstd.data(), b.resid_mid.data(), b.norm2_w, b.norm2_b, N);
-    if (b.moe) {
-      b.moe->forward(tmp_.data(), b.ln2.data(), N);
+const float* Model::block_input(int64_t l) const {
+  return l == 0 ? encoded_.data() : blocks_[l - 1]->out.data();
+}
+
+void Model::embed_forward() {
+  embedding_forward(encoded_.data(), tokens_.data(), wte_->value.data(), wpe_->value.data(), B_, T_, cfg_.d_model);
+}
+
+void Model::attn_forward(int64_t l) {
+  Block& b = *blocks_.at(l);
+  const int64_t C = cfg_.d_model, NH = cfg_.n_heads, N = B_ * T_;
+  const float* x = block_input(l);
+  // h = x + proj(attention(qkv(norm1(x)))); then the FFN input norm2(h)
+  norm_forward(b.ln1.data(), b.ln1_mean.data(), b.ln1_rstd.data(), x, b.norm1_w, b.norm1_b, N);
+  linear_forward(b.qkv.data(), b.ln1.data(), b.qkv_w->value.data(), N, C, 3 * C);
+  attention_forward(b.atty.data(), preatt_.data(), b.att.data(), b.qkv.data(), B_, T_, C, NH);
+  linear_forward(tmp_.data(), b.atty.data(), b.proj_w->value.data(), N, C, C);
+  add_to(b.resid_mid.data(), x, tmp_.data(), N * C);
+  norm_forward(b.ln2.data(), b.ln2_mean.data(), b.ln2_rstd.data(), b.resid_mid.data(), b.norm2_w, b.norm2_b, N);
+}
+
+void Model::ffn_forward(int64_t l) {
+  Block& b = *blocks_.at(l);
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, N = B_ * T_;
+  if (b.moe) {
+    b.moe->forward(tmp_.data(), b.ln2.data(), N);
+  } else {
+    linear_forward(b.h1.data(), b.ln2.data(), b.mlp_w1->value.data(), N, C, F);
+    if (b.mlp_w3) {
+      linear_forward(b.h3.data(), b.ln2.data(), b.mlp_w3->value.data(), N, C, F);
+      swiglu_forward(b.act.data(), b.h1.data(), b.h3.data(), N * F);
     } else {
-      linear_forward(b.h1.data(), b.ln2.data(), b.mlp_w1->value.data(), N, C, F);
-      if (b.mlp_w3) {
-        linear_forward(b.h3.data(), b.ln2.data(), b.mlp_w3->value.data(), N, C, F);
-        swiglu_forward(b.act.data(), b.h1.data(), b.h3.data(), N * F);
-      } else {
-        gelu_forward(b.act.data(), b.h1.data(), N * F);
-      }
-      linear_forward(tmp_.data(), b.act.data(), b.mlp_w2->value.data(), N, F, C);
+      gelu_forward(b.act.data(), b.h1.data(), N * F);
     }
-    add_to(b.out.data(), b.resid_mid.data(), tmp_.data(), N * C);
-    x = b.out.data();
+    linear_forward(tmp_.data(), b.act.data(), b.mlp_w2->value.data(), N, F, C);
   }
+  add_to(b.out.data(), b.resid_mid.data(), tmp_.data(), N * C);
+}
+
+void Model::moe_gate_forward(int64_t l) { blocks_.at(l)->moe->ep_gate(blocks_[l]->ln2.data(), B_ * T_); }
+
+void Model::moe_combine_forward(int64_t l) {
+  Block& b = *blocks_.at(l);
+  b.moe->ep_combine(tmp_.data());
+  add_to(b.out.data(), b.resid_mid.data(), tmp_.data(), B_ * T_ * cfg_.d_model);
+}
+
+double Model::head_forward() {
+  const int64_t V = cfg_.vocab_size, C = cfg_.d_model, N = B_ * T_;
+  const float* x = block_input(static_cast<int64_t>(blocks_.size()));
   // logits = norm_f(x) @ wte^T
   norm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), x, normf_w_, normf_b_, N);
   linear_forward(logits_.data(), lnf_.data(), wte_->value.data(), N, C, V);
-  loss_ = targets ? cross_entropy_forward(probs_.data(), logits_.data(), targets_.data(), N, V) : std::nan("");
+  loss_ = have_targets_ ? cross_entropy_forward(probs_.data(), logits_.data(), targets_.data(), N, V) : std::nan("");
   return loss_;
 }
 
-void Model::backward() {
-  if (B_ == 0 || !have_targets_) throw std::logic_error("Model::backward: the last forward() had no targets");
-  const int64_t B = B_, T = T_, V = cfg_.vocab_size, C = cfg_.d_model, NH = cfg_.n_heads, F = cfg_.d_ffn;
-  const int64_t N = B * T;
+double Model::forward(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T) {
+  begin_step(tokens, targets, B, T);
+  embed_forward();
+  for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
+    attn_forward(l);
+    ffn_forward(l);
+  }
+  return head_forward();
+}
 
-  // LM head: d(mean CE)/dlogits, then logits = lnf @ wte^T (tied: accumulates into wte.grad).
+void Model::head_backward() {
+  if (B_ == 0 || !have_targets_) throw std::logic_error("Model::backward: the last forward() had no targets");
+  const int64_t V = cfg_.vocab_size, C = cfg_.d_model, N = B_ * T_;
+  // d(mean CE)/dlogits, then logits = lnf @ wte^T (tied: accumulates into wte.grad).
   zero_n(dlogits_, N * V);
   cross_entropy_backward(dlogits_.data(), probs_.data(), targets_.data(), N, V, ce_grad_scale_);
   zero_n(dln_, N * C);
   linear_backward(dln_.data(), wte_->grad.data(), dlogits_.data(), lnf_.data(), wte_->value.data(), N, C, V);
-  const float* x_last = blocks_.empty() ? encoded_.data() : blocks_.back()->out.data();
   zero_n(dres_, N * C);
-  norm_backward(dres_.data(), normf_w_, normf_b_, dln_.data(), x_last, lnf_mean_.data(), lnf_rstd_.data(), N);
+  norm_backward(dres_.data(), normf_w_, normf_b_, dln_.data(), block_input(static_cast<int64_t>(blocks_.size())),
+                lnf_mean_.data(), lnf_rstd_.data(), N);
+}
 
-  // dres_ holds d(loss)/d(out of block l); each block turns it into d(loss)/d(input of block l).
-  for (int64_t l = static_cast<int64_t>(blocks_.size()) - 1; l >= 0; --l) {
-    Block& b = *blocks_[l];
-    const float* x = l == 0 ? encoded_.data() : blocks_[l - 1]->out.data();
-    // out = h + ffn(ln2): d h = d out + norm2_backward(d ln2)
-    zero_n(dln_, N * C);
-    if (b.moe) {
-      b.moe->backward(dln_.data(), dres_.data());  // includes the aux/z-loss gradient
-    } else {
-      zero_n(dact_, N * F);
-      linear_backward(dact_.data(), b.mlp_w2->grad.data(), dres_.data(), b.act.data(), b.mlp_w2->value.data(), N, F,
-                      C);
-      zero_n(dh1_, N * F);
-      if (b.mlp_w3) {
-        zero_n(dh3_, N * F);
-        swiglu_backward(dh1_.data(), dh3_.data(), dact_.data(), b.h1.data(), b.h3.data(), N * F);
-        linear_backward(dln_.data(), b.mlp_w3->grad.data(), dh3_.data(), b.ln2.data(), b.mlp_w3->value.data(), N, C,
-                        F);
-      } else {
-        gelu_backward(dh1_.data(), dact_.data(), b.h1.data(), N * F);
-      }
-      linear_backward(dln_.data(), b.mlp_w1->grad.data(), dh1_.data(), b.ln2.data(), b.mlp_w1->value.data(), N, C, F);
-    }
-    norm_backward(dres_.data(), b.norm2_w, b.norm2_b, dln_.data(), b.resid_mid.data(), b.ln2_mean.data(),
-                  b.ln2_rstd.data(), N);
-    // h = x + proj(attention(qkv(ln1))): d x = d h + norm1_backward(...)
-    zero_n(datty_, N * C);
-    linear_backward(datty_.data(), b.proj_w->grad.data(), dres_.data(), b.atty.data(), b.proj_w->value.data(), N, C,
-                    C);
-    zero_n(dqkv_, N * 3 * C);
-    attention_backward(dqkv_.data(), datt_.data(), dpreatt_.data(), datty_.data(), b.qkv.data(), b.att.data(), B, T,
-                       C, NH);
-    zero_n(dln_, N * C);
-    linear_backward(dln_.data(), b.qkv_w->grad.data(), dqkv_.data(), b.ln1.data(), b.qkv_w->value.data(), N, C,
-                    3 * C);
-    norm_backward(dres_.data(), b.norm1_w, b.norm1_b, dln_.data(), x, b.ln1_mean.data(), b.ln1_rstd.data(), N);
+// dres_ holds d(loss)/d(out of block l) on entry to ffn_backward(l) (or moe_combine_backward(l)); the
+// FFN leaves d(loss)/d(ln2) in dln_, and attn_backward(l) turns both into d(loss)/d(input of block l).
+void Model::ffn_backward(int64_t l) {
+  Block& b = *blocks_.at(l);
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, N = B_ * T_;
+  zero_n(dln_, N * C);
+  if (b.moe) {
+    b.moe->backward(dln_.data(), dres_.data());  // includes the aux/z-loss gradient
+    return;
   }
-  embedding_backward(wte_->grad.data(), wpe_->grad.data(), dres_.data(), tokens_.data(), B, T, C);
+  zero_n(dact_, N * F);
+  linear_backward(dact_.data(), b.mlp_w2->grad.data(), dres_.data(), b.act.data(), b.mlp_w2->value.data(), N, F, C);
+  zero_n(dh1_, N * F);
+  if (b.mlp_w3) {
+    zero_n(dh3_, N * F);
+    swiglu_backward(dh1_.data(), dh3_.data(), dact_.data(), b.h1.data(), b.h3.data(), N * F);
+    linear_backward(dln_.data(), b.mlp_w3->grad.data(), dh3_.data(), b.ln2.data(), b.mlp_w3->value.data(), N, C, F);
+  } else {
+    gelu_backward(dh1_.data(), dact_.data(), b.h1.data(), N * F);
+  }
+  linear_backward(dln_.data(), b.mlp_w1->grad.data(), dh1_.data(), b.ln2.data(), b.mlp_w1->value.data(), N, C, F);
+}
+
+void Model::moe_combine_backward(int64_t l) {
+  zero_n(dln_, B_ * T_ * cfg_.d_model);
+  blocks_.at(l)->moe->ep_combine_bwd(dres_.data());
+}
+
+void Model::moe_gate_backward(int64_t l) { blocks_.at(l)->moe->ep_gate_bwd(dln_.data()); }
+
+void Model::attn_backward(int64_t l) {
+  Block& b = *blocks_.at(l);
+  const int64_t C = cfg_.d_model, NH = cfg_.n_heads, N = B_ * T_;
+  // out = h + ffn(ln2): d h = d out + norm2_backward(d ln2)
+  norm_backward(dres_.data(), b.norm2_w, b.norm2_b, dln_.data(), b.resid_mid.data(), b.ln2_mean.data(),
+                b.ln2_rstd.data(), N);
+  // h = x + proj(attention(qkv(ln1))): d x = d h + norm1_backward(...)
+  zero_n(datty_, N * C);
+  linear_backward(datty_.data(), b.proj_w->grad.data(), dres_.data(), b.atty.data(), b.proj_w->value.data(), N, C, C);
+  zero_n(dqkv_, N * 3 * C);
+  attention_backward(dqkv_.data(), datt_.data(), dpreatt_.data(), datty_.data(), b.qkv.data(), b.att.data(), B_, T_, C,
+                     NH);
+  zero_n(dln_, N * C);
+  linear_backward(dln_.data(), b.qkv_w->grad.data(), dqkv_.data(), b.ln1.data(), b.qkv_w->value.data(), N, C, 3 * C);
+  norm_backward(dres_.data(), b.norm1_w, b.norm1_b, dln_.data(), block_input(l), b.ln1_mean.data(), b.ln1_rstd.data(),
+                N);
+}
+
+void Model::embed_backward() {
+  embedding_backward(wte_->grad.data(), wpe_->grad.data(), dres_.data(), tokens_.data(), B_, T_, cfg_.d_model);
+}
+
+void Model::backward() {
+  head_backward();
+  for (int64_t l = static_cast<int64_t>(blocks_.size()) - 1; l >= 0; --l) {
+    ffn_backward(l);
+    attn_backward(l);
+  }
+  embed_backward();
+}
+
+std::vector<Param*> Model::block_params(int64_t l) const {
+  const Block& b = *blocks_.at(l);
+  std::vector<Param*> out;
+  for (Param* p : {b.norm1_w, b.norm1_b, b.qkv_w, b.proj_w, b.norm2_w, b.norm2_b, b.mlp_w1, b.mlp_w2, b.mlp_w3})
+    if (p) out.push_back(p);
+  if (b.moe)
+    for (Param* p : b.moe->params()) out.push_back(p);
+  return out;
+}
+
+std::vector<Param*> Model::embedding_params() const { return {wte_, wpe_}; }
+
+std::vector<Param*> Model::head_params() const {
+  std::vector<Param*> out{normf_w_};
+  if (normf_b_) out.push_back(normf_b_);
+  return out;
 }
 
 double Model::aux_loss() const {
@@ -378,9 +451,9 @@ std::vector<LayerLoad> Model::load_stats() const {
   return out;
 }
 
-void Model::set_expert_parallel(comm::Communicator* group) {
+void Model::set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l)
-    if (MoeLayer* m = moe_layer(l)) m->set_expert_parallel(group);
+    if (MoeLayer* m = moe_layer(l)) m->set_expert_parallel(ep, batch);
 }
 
 }  // namespace moe

@@ -84,12 +84,41 @@ class Model {
   // Per MoE block, in block order.
   std::vector<LayerLoad> load_stats() const;
 
+  // The phases of forward() and backward(), for the runtime (one StepGraph op each, see
+  // src/graph/ep_builder.h). forward() is begin_step, embed_forward, for each block l attn_forward(l)
+  // then ffn_forward(l), and head_forward; backward() is head_backward, for each block from the last
+  // ffn_backward(l) then attn_backward(l), and embed_backward. An expert-parallel MoE block may
+  // instead run moe_gate_forward(l), the MoE layer's ep_* phases, moe_combine_forward(l) (and
+  // moe_combine_backward(l), ep_* phases, moe_gate_backward(l) in backward). Phases share scratch
+  // buffers, so they run one at a time, in that order. REQUIRES as forward()/backward().
+  void begin_step(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T = 0);
+  void embed_forward();
+  void attn_forward(int64_t l);
+  void ffn_forward(int64_t l);
+  void moe_gate_forward(int64_t l);
+  void moe_combine_forward(int64_t l);
+  double head_forward();  // the mean cross-entropy (NaN without targets)
+  void head_backward();
+  void ffn_backward(int64_t l);
+  void moe_combine_backward(int64_t l);
+  void moe_gate_backward(int64_t l);
+  void attn_backward(int64_t l);
+  void embed_backward();
+  // Parameters by where backward finishes their gradients: block l's (after attn_backward(l), its
+  // MoE parameters included), the embeddings' (after embed_backward; wte is tied to the head) and
+  // the final norm's (after head_backward).
+  std::vector<Param*> block_params(int64_t l) const;
+  std::vector<Param*> embedding_params() const;
+  std::vector<Param*> head_params() const;
+  int64_t n_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+
   // Data + expert parallelism: this model instance holds rank r's share of each global batch.
-  // Every MoE layer runs expert-parallel over `group` (MoeLayer::set_expert_parallel), and the
+  // Every MoE layer runs expert-parallel over `ep` with the batch spread over `batch`
+  // (MoeLayer::set_expert_parallel), and the
   // cross-entropy gradient is scaled by ce_grad_scale (this rank's share of the global mean: its
   // tokens / the global batch's), so that summing every gradient over ranks gives the gradient of
   // the whole batch's loss. Defaults: no group, scale 1 (one process, the whole batch).
-  void set_expert_parallel(comm::Communicator* group);
+  void set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch = nullptr);
   void set_ce_grad_scale(float s) { ce_grad_scale_ = s; }
 
  private:
@@ -97,6 +126,7 @@ class Model {
   Param* add_param(const std::string& name, std::vector<int64_t> shape, bool decay);
   void norm_forward(float* out, float* mean, float* rstd, const float* inp, const Param* w, const Param* b,
                     int64_t N) const;
+  const float* block_input(int64_t l) const;  // the embedding (l = 0) or block l-1's output; l = L: the head's input
   void norm_backward(float* dinp, Param* w, Param* b, const float* dout, const float* inp, const float* mean,
                      const float* rstd, int64_t N) const;
 

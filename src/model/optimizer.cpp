@@ -17,15 +17,16 @@ AdamW::AdamW(std::vector<Param*> params, const AdamWConfig& cfg) : params_(std::
   }
 }
 
-double AdamW::clip_grad_norm(float max_norm) {
-  double ss = 0;
+double AdamW::clip_grad_norm(float max_norm, const std::function<double(double)>& sum_over_ranks) {
+  double ss = 0, sharded = 0;
   for (Param* p : params_) {
     const float* g = p->grad.data();
     double local = 0;
     for (size_t i = 0; i < p->grad.numel(); ++i) local += static_cast<double>(g[i]) * g[i];
-    ss += local;
+    (p->sharded() ? sharded : ss) += local;
   }
-  const double norm = std::sqrt(ss);
+  if (sum_over_ranks) sharded = sum_over_ranks(sharded);
+  const double norm = std::sqrt(ss + sharded);
   if (max_norm > 0 && std::isfinite(max_norm) && std::isfinite(norm) && norm > max_norm) {
     const float s = static_cast<float>(max_norm / norm);
     for (Param* p : params_) scale_inplace(p->grad.data(), s, static_cast<int64_t>(p->grad.numel()));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -25,7 +26,11 @@ class AdamW {
   // before clipping: squares summed in double, parameter by parameter in order, so the result does
   // not depend on the thread count. max_norm <= 0 or +inf only measures. A non-finite norm
   // (NaN/Inf gradients) is returned and nothing is scaled.
-  double clip_grad_norm(float max_norm);
+  //
+  // Sharded params (Param::sharded) hold only this rank's rows: their squares are summed apart and
+  // passed through `sum_over_ranks` (e.g. an allreduce) before joining the replicated params' sum,
+  // so every rank gets the norm of the whole model. Null: one process holds everything.
+  double clip_grad_norm(float max_norm, const std::function<double(double)>& sum_over_ranks = nullptr);
   // One AdamW step (ops.h adamw_update, PyTorch semantics) at learning rate lr over every
   // parameter, weight decay only where Param::decay; steps() increases by one first (t >= 1).
   void step(float lr);

@@ -128,19 +128,37 @@ void check(const Status& s) {
 }
 }  // namespace
 
-void MoeLayer::set_expert_parallel(comm::Communicator* group) {
-  if (!group || group->size() == 1) {
-    ep_ = nullptr;
+void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch) {
+  if (!batch) batch = ep;
+  if (!ep || batch->size() == 1) {
+    ep_ = batch_ = nullptr;
     return;
   }
-  const int64_t P = group->size(), E = cfg_.n_experts, K = cfg_.top_k, C = cfg_.d_model, F = cfg_.d_ffn;
+  const int64_t P = ep->size(), E = cfg_.n_experts, K = cfg_.top_k, C = cfg_.d_model, F = cfg_.d_ffn;
   if (E % P != 0)
     throw std::invalid_argument("expert parallelism: n_experts (" + std::to_string(E) +
-                                ") must be a multiple of the ranks in the group (" + std::to_string(P) + ")");
-  ep_ = group;
-  const int64_t El = E / P, rows = P * max_tokens_ * K;  // at most every rank's every assignment
+                                ") must be a multiple of the ranks in the expert-parallel group (" +
+                                std::to_string(P) + ")");
+  if (batch->size() % P != 0) throw std::logic_error("MoeLayer::set_expert_parallel: REQUIRES ep size | batch size");
+  if (ep_) throw std::logic_error("MoeLayer::set_expert_parallel: REQUIRES one call per layer");
+  ep_ = ep;
+  batch_ = batch;
+  const int64_t El = E / P, rows = P * max_tokens_ * K;  // at most every group rank's every assignment
+  // Keep only my experts' weights: rows [e0, e0 + El) of w1, w2, w3 (their gradients restart at 0).
+  const int64_t e0 = ep->rank() * El;
+  for (Param* p : {&w1_, &w2_, &w3_}) {
+    if (p->value.numel() == 0) continue;  // w3 without SwiGLU
+    std::vector<int64_t> shape = p->value.shape();
+    const int64_t per_expert = static_cast<int64_t>(p->value.numel()) / shape[0];
+    Tensor mine(std::vector<int64_t>{El, shape[1], shape[2]});
+    std::copy(p->value.data() + e0 * per_expert, p->value.data() + (e0 + El) * per_expert, mine.data());
+    p->value = std::move(mine);
+    p->grad.resize({El, shape[1], shape[2]});
+    p->shard_begin = e0;
+    p->full_dim0 = E;
+  }
   local_counts_.assign(K * E, 0);
-  all_counts_.assign(P * K * E, 0);
+  all_counts_.assign(batch->size() * K * E, 0);
   stats_.assign(E + 2, 0.0);
   prior_.assign(E * K, 0);
   recv_tpe_.assign(P * El, 0);
@@ -158,33 +176,62 @@ void MoeLayer::set_expert_parallel(comm::Communicator* group) {
 }
 
 void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
-  const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k, P = ep_->size(), me = ep_->rank();
-  const int64_t El = E / P, e0 = me * El;
+  ep_gate(x, N);
+  ep_gate_sync();
+  ep_dispatch();
+  ep_dispatch_a2a();
+  ep_experts();
+  ep_combine_a2a();
+  ep_combine(y);
+}
+
+void MoeLayer::backward_ep(float* dx, const float* dy) {
+  ep_combine_bwd(dy);
+  ep_combine_a2a_bwd();
+  ep_experts_bwd();
+  ep_dispatch_a2a_bwd();
+  ep_gate_bwd(dx);
+}
+
+void MoeLayer::ep_gate(const float* x, int64_t N) {
+  if (N < 0 || N > max_tokens_ || !ep_) throw std::logic_error("MoeLayer::ep_gate: REQUIRES expert parallel, N <= max");
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k;
+  x_ = x;
+  n_ = N;
   router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize);
   RouterLosses local = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
                                            probs_.data(), routing_, N, E);
-  // global statistics of the batch
   std::fill(local_counts_.begin(), local_counts_.end(), 0);
   for (int64_t a = 0; a < N * K; ++a) ++local_counts_[(a % K) * E + routing_.expert[a]];
-  check(ep_->allgather(local_counts_.data(), K * E, all_counts_.data()));
   for (int64_t e = 0; e < E; ++e) stats_[e] = static_cast<double>(mean_prob_[e]) * N;
   stats_[E] = static_cast<double>(local.z) * N;
   stats_[E + 1] = static_cast<double>(N);
-  check(ep_->allreduce(stats_.data(), E + 2));
+}
+
+void MoeLayer::ep_gate_sync() {
+  const int64_t E = cfg_.n_experts, K = cfg_.top_k;
+  check(batch_->allgather(local_counts_.data(), K * E, all_counts_.data()));
+  check(batch_->allreduce(stats_.data(), E + 2));
+}
+
+void MoeLayer::ep_dispatch() {
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k, R = batch_->size(), me = batch_->rank();
   const int64_t Ng = static_cast<int64_t>(stats_[E + 1]);
   loss_tokens_ = Ng;
   double aux = 0;
   for (int64_t e = 0; e < E; ++e) {
     int64_t chosen = 0;
-    for (int64_t r = 0; r < P; ++r)
+    for (int64_t r = 0; r < R; ++r)
       for (int64_t k = 0; k < K; ++k) chosen += all_counts_[(r * K + k) * E + e];
     const double f = Ng ? static_cast<double>(chosen) / static_cast<double>(Ng * K) : 0.0;
     load_frac_[e] = static_cast<float>(f);
     mean_prob_[e] = Ng ? static_cast<float>(stats_[e] / Ng) : 0.0f;
     aux += f * (Ng ? stats_[e] / Ng : 0.0);
+    // Kept assignments before mine in the global order: every rank's earlier choices, then the
+    // same choice on earlier ranks (the single-process order of layout.h).
     for (int64_t k = 0; k < K; ++k) {
       int64_t before = 0;
-      for (int64_t r = 0; r < P; ++r)
+      for (int64_t r = 0; r < R; ++r)
         for (int64_t k2 = 0; k2 < k; ++k2) before += all_counts_[(r * K + k2) * E + e];
       for (int64_t r = 0; r < me; ++r) before += all_counts_[(r * K + k) * E + e];
       prior_[e * K + k] = before;
@@ -193,15 +240,23 @@ void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
   aux_loss_ = static_cast<float>(E * aux);
   z_loss_ = Ng ? static_cast<float>(stats_[E] / Ng) : 0.0f;
   layout_build(routing_, expert_capacity(cfg_.capacity_factor, Ng, K, E), layout_scratch_.data(), prior_.data());
-  dispatch_forward(xp_.data(), x, routing_, C);
-
-  // how many rows go where: my kept rows per expert, to the experts' owners
-  check(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
-  int64_t recv_rows = 0;
+  dispatch_forward(xp_.data(), x_, routing_, C);
+  // Rows this rank sends each group rank: its kept rows of that rank's experts (contiguous, as the
+  // layout orders rows by expert).
+  const int64_t P = ep_->size(), El = E / P;
   for (int64_t r = 0; r < P; ++r) {
     const int64_t first = routing_.expert_offset[r * El], last = routing_.expert_offset[(r + 1) * El];
     send_counts_[r] = (last - first) * C;
     send_displs_[r] = first * C;
+  }
+}
+
+void MoeLayer::ep_dispatch_a2a() {
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), El = E / P;
+  // how many rows come from where: every rank's kept rows per expert, to the experts' owners
+  check(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
+  int64_t recv_rows = 0;
+  for (int64_t r = 0; r < P; ++r) {
     int64_t from_r = 0;
     for (int64_t el = 0; el < El; ++el) from_r += recv_tpe_[r * El + el];
     recv_counts_[r] = from_r * C;
@@ -209,7 +264,13 @@ void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
     recv_rows += from_r;
   }
   expert_rows_ = recv_rows;
-  // source-major -> expert-major permutation
+  check(ep_->alltoallv(xp_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
+}
+
+void MoeLayer::ep_experts() {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, E = cfg_.n_experts, P = ep_->size(), El = E / P;
+  const int64_t recv_rows = expert_rows_;
+  // source-major -> expert-major permutation: rows of one expert from every source, in source order
   perm_.resize(recv_rows);
   inv_perm_.resize(recv_rows);
   int64_t i = 0;
@@ -225,37 +286,63 @@ void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
     }
   }
   local_offset_[El] = i;
-
-  check(ep_->alltoallv(xp_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
   gather_rows(xe_.data(), xr_.data(), perm_.data(), recv_rows, C);
   const bool swiglu = cfg_.activation == Activation::swiglu;
-  const int64_t F = cfg_.d_ffn;
   experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
-                  local_offset_.data(), w1_.value.data() + e0 * F * C, w2_.value.data() + e0 * C * F,
-                  swiglu ? w3_.value.data() + e0 * F * C : nullptr, ExpertShape{El, C, F, cfg_.activation});
+                  local_offset_.data(), w1_.value.data(), w2_.value.data(), swiglu ? w3_.value.data() : nullptr,
+                  ExpertShape{El, C, F, cfg_.activation});
   gather_rows(yr_.data(), ye_.data(), inv_perm_.data(), recv_rows, C);
-  check(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
-  combine_forward(y, row_weight_.data(), outp_.data(), routing_, C);
 }
 
-void MoeLayer::backward_ep(float* dx, const float* dy) {
-  const int64_t N = n_, C = cfg_.d_model, E = cfg_.n_experts, F = cfg_.d_ffn, P = ep_->size();
-  const int64_t El = E / P, e0 = ep_->rank() * El, rows = expert_rows_;
-  const bool swiglu = cfg_.activation == Activation::swiglu;
-  combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, C);
+void MoeLayer::ep_combine_a2a() {
+  check(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
+}
+
+void MoeLayer::ep_combine(float* y) { combine_forward(y, row_weight_.data(), outp_.data(), routing_, cfg_.d_model); }
+
+void MoeLayer::ep_combine_bwd(const float* dy) {
+  if (!x_) throw std::logic_error("MoeLayer::ep_combine_bwd: REQUIRES forward first");
+  combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, cfg_.d_model);
+}
+
+void MoeLayer::ep_combine_a2a_bwd() {
   check(ep_->alltoallv(dout_p_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
+}
+
+void MoeLayer::ep_experts_bwd() {
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, F = cfg_.d_ffn, P = ep_->size();
+  const int64_t El = E / P, rows = expert_rows_;
+  const bool swiglu = cfg_.activation == Activation::swiglu;
   gather_rows(de_.data(), dr_.data(), perm_.data(), rows, C);
-  experts_backward(dxe_.data(), w1_.grad.data() + e0 * F * C, w2_.grad.data() + e0 * C * F,
-                   swiglu ? w3_.grad.data() + e0 * F * C : nullptr, dact_.data(), dh_.data(),
-                   swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(), swiglu ? h3_.data() : nullptr,
-                   act_.data(), local_offset_.data(), w1_.value.data() + e0 * F * C, w2_.value.data() + e0 * C * F,
-                   swiglu ? w3_.value.data() + e0 * F * C : nullptr, ExpertShape{El, C, F, cfg_.activation});
+  experts_backward(dxe_.data(), w1_.grad.data(), w2_.grad.data(), swiglu ? w3_.grad.data() : nullptr, dact_.data(),
+                   dh_.data(), swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
+                   swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data(), w1_.value.data(),
+                   w2_.value.data(), swiglu ? w3_.value.data() : nullptr, ExpertShape{El, C, F, cfg_.activation});
   gather_rows(dxr_.data(), dxe_.data(), inv_perm_.data(), rows, C);
+}
+
+void MoeLayer::ep_dispatch_a2a_bwd() {
   check(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, dxp_.data(), send_counts_, send_displs_));
+}
+
+void MoeLayer::ep_gate_bwd(float* dx) {
+  const int64_t N = n_, C = cfg_.d_model, E = cfg_.n_experts;
   dispatch_backward(dx, dxp_.data(), routing_, C);
   router_backward(dx, router_.grad.data(), dprobs_.data(), dlogits_.data(), dgate_.data(), routing_, probs_.data(),
                   lse_.data(), load_frac_.data(), x_, router_.value.data(), N, C, E, cfg_.renormalize,
                   cfg_.aux_loss_weight, cfg_.z_loss_weight, loss_tokens_);
+}
+
+int64_t MoeLayer::ep_bytes_out(bool to_experts) const {
+  int64_t n = 0;
+  for (int64_t c : to_experts ? send_counts_ : recv_counts_) n += c;
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+std::vector<int64_t> MoeLayer::ep_peer_bytes(bool to_experts) const {
+  std::vector<int64_t> b(to_experts ? send_counts_ : recv_counts_);
+  for (int64_t& x : b) x *= static_cast<int64_t>(sizeof(float));
+  return b;
 }
 
 }  // namespace moe

@@ -81,17 +81,46 @@ class MoeLayer {
   float weighted_loss() const { return cfg_.aux_loss_weight * aux_loss_ + cfg_.z_loss_weight * z_loss_; }
   const Routing& routing() const { return routing_; }
 
-  // Expert parallelism over `group` (null or a group of 1: this process holds the whole batch).
-  // With P = group->size() > 1, forward's N tokens are this rank's share of a global batch whose
-  // tokens are ordered by rank (rank 0's first); experts [rank*E/P, (rank+1)*E/P) run here on the
-  // rows every rank sends them (alltoallv), and the results go back the same way. Aux and z losses,
-  // f_e, P_e and capacity dropping are those of the global batch (the same numbers on every rank),
-  // so the mathematics is that of one process running the whole batch (DESIGN invariant 1).
-  // Gradients: this rank's share of every term; an expert's weight gradient is complete on its
-  // owner rank and zero elsewhere. Every rank of the group must call forward/backward together.
+  // Expert parallelism. `ep` is the group that together holds one copy of every expert: with
+  // P = ep->size() > 1, experts [rank*E/P, (rank+1)*E/P) run here on the rows every group rank sends
+  // them (alltoallv), and the results go back the same way. `batch` (default: ep) is the group whose
+  // ranks together hold the global batch, ordered by batch rank (rank 0's tokens first); with more
+  // batch ranks than ep ranks, each ep group is one replica of the experts (comm::Groups: ep groups
+  // of consecutive ranks) and the caller sums expert gradients over the replicas.
+  // Aux and z losses, f_e, P_e and capacity dropping are those of the global batch (the same numbers
+  // on every rank), so the mathematics is that of one process running the whole batch (DESIGN
+  // invariant 1).
+  // Parameters: w1, w2, w3 keep only this rank's experts (Param::sharded, rows [rank*E/P, ...) of
+  // the full tensors, sliced from the current values); the router stays whole (replicated).
+  // Gradients: the router's is this rank's share (sum over batch ranks); an expert's is this
+  // replica's share (sum over replicas; complete when there is one replica).
   // Collective failures throw std::runtime_error naming the rank and operation.
-  // REQUIRES: E % P == 0; the group outlives the layer.
-  void set_expert_parallel(comm::Communicator* group);
+  // REQUIRES: E % P == 0; batch->size() % P == 0; called at most once, before an optimizer is
+  // built over params(); the groups outlive the layer.
+  void set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch = nullptr);
+  bool expert_parallel() const { return ep_ != nullptr; }
+
+  // The expert-parallel forward and backward phase by phase, for the runtime (src/graph: one graph
+  // op each). forward()/backward() run them in this order; a caller running them itself must too.
+  // Compute phases touch no communicator; communication phases (ep_gate_sync: batch group; the
+  // *_a2a*: ep group) do nothing else but exchange, so they can run on a communication thread.
+  // REQUIRES: expert_parallel().
+  void ep_gate(const float* x /*[N,C]*/, int64_t N);  // router, local statistics (x kept until ep_gate_bwd)
+  void ep_gate_sync();                                // counts + statistics over the batch group
+  void ep_dispatch();                                 // global aux/z/capacity, layout, rows packed
+  void ep_dispatch_a2a();                             // kept-row counts, then the rows, to experts' owners
+  void ep_experts();                                  // my experts over the received rows
+  void ep_combine_a2a();                              // results back to the tokens' ranks
+  void ep_combine(float* y /*[N,C]*/);                // gate-weighted sum
+  void ep_combine_bwd(const float* dy /*[N,C]*/);
+  void ep_combine_a2a_bwd();
+  void ep_experts_bwd();
+  void ep_dispatch_a2a_bwd();
+  void ep_gate_bwd(float* dx /*[N,C]*/);              // dx += token-row and router gradients
+  // Bytes this rank sends in the last dispatch (to_experts) or combine exchange, in total and per
+  // ep group rank. Valid after ep_dispatch (to_experts) / ep_dispatch_a2a (combine).
+  int64_t ep_bytes_out(bool to_experts) const;
+  std::vector<int64_t> ep_peer_bytes(bool to_experts) const;
   // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
   int64_t expert_rows() const { return expert_rows_; }
 
@@ -118,9 +147,10 @@ class MoeLayer {
   void forward_ep(float* y, const float* x, int64_t N);
   void backward_ep(float* dx, const float* dy);
   comm::Communicator* ep_ = nullptr;
+  comm::Communicator* batch_ = nullptr;
   int64_t loss_tokens_ = 0;                 // tokens of the global batch
   std::vector<int64_t> local_counts_;       // [K*E] this rank's choice-k assignments to e (k-major)
-  std::vector<int64_t> all_counts_;         // [P*K*E] every rank's local_counts_
+  std::vector<int64_t> all_counts_;         // [R*K*E] every batch rank's local_counts_
   std::vector<double> stats_;               // [E+2] sum probs per expert, sum lse^2, tokens
   std::vector<int64_t> prior_;              // [E*K] see layout_build
   std::vector<int64_t> recv_tpe_;           // [P*El] rows from rank s for my local expert el

@@ -25,6 +25,7 @@
 #include "model/data.h"
 #include "model/model.h"
 #include "model/optimizer.h"
+#include "runtime/sharded_checkpoint.h"
 #include "tensor/ops.h"
 
 namespace moe {
@@ -52,6 +53,7 @@ double imbalance(const std::vector<int64_t>& tokens_per_expert) {
 struct Ranks {
   std::unique_ptr<comm::MpiSession> session;
   std::unique_ptr<comm::Communicator> world;
+  comm::Groups groups;  // ep: one copy of every expert; dp: the replicas of my experts
   int rank = 0, size = 1;
   bool lead() const { return rank == 0; }
   // Sum over ranks (identity with one rank).
@@ -160,10 +162,6 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   if (B % ranks.size != 0)
     return Status::error("config: batch_size (" + std::to_string(B) + ") must be a multiple of the ranks (" +
                          std::to_string(ranks.size) + ")");
-  if (cfg.model.n_experts % ranks.size != 0)
-    return Status::error("config: n_experts (" + std::to_string(cfg.model.n_experts) +
-                         ") must be a multiple of the ranks (" + std::to_string(ranks.size) +
-                         "): experts are divided evenly among ranks");
   const int64_t Bl = B / ranks.size;  // this rank's rows of each global batch
 
   // ---- data ----
@@ -180,11 +178,16 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   if (Status s = TextDataset::open(data_path, dopt, &ds); !s) return s;
   if (Status s = check_same_everywhere(ranks, cfg, ds); !s) return s;
 
-  // ---- model and optimizer: every rank holds every parameter and applies the same update ----
+  // ---- model and optimizer: replicated parameters are the same on every rank; expert weights are
+  // divided among the ranks of an expert-parallel group (the largest that divides both the experts
+  // and the ranks), whose copies the data-parallel groups keep in step ----
   Model model(cfg.model, Bl);
+  const int64_t full_params = model.num_params();
   model.init(cfg.seed);
   if (ranks.world) {
-    model.set_expert_parallel(ranks.world.get());
+    const int ep_size = static_cast<int>(std::gcd<int64_t>(cfg.model.n_experts, ranks.size));
+    if (Status s = comm::make_groups(*ranks.world, ep_size, &ranks.groups); !s) return s;
+    model.set_expert_parallel(ranks.groups.ep.get(), ranks.world.get());
     model.set_ce_grad_scale(1.0f / static_cast<float>(ranks.size));
   }
   AdamWConfig ocfg;
@@ -199,7 +202,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   int64_t start = 0;
   if (!cfg.resume.empty()) {
     json state;
-    if (Status s = load_checkpoint(cfg.resume, model.params(), &opt, &state); !s) return s;
+    if (Status s = runtime::load_sharded_checkpoint(cfg.resume, &opt, &state); !s) return s;
     try {
       start = state.at("step").get<int64_t>();
       if (state.at("data_hash").get<std::string>() != hex64(ds.content_hash()))
@@ -243,18 +246,20 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   };
 
   say("moe train: %lld parameters (L%lld C%lld E%lld K%lld F%lld T%lld), %s %s\n",
-      static_cast<long long>(model.num_params()), (long long)cfg.model.n_layers, (long long)cfg.model.d_model,
+      static_cast<long long>(full_params), (long long)cfg.model.n_layers, (long long)cfg.model.d_model,
       (long long)cfg.model.n_experts, (long long)cfg.model.top_k, (long long)cfg.model.d_ffn, (long long)T,
       cfg.model.activation.c_str(), cfg.model.norm.c_str());
   say("data: %s, %zu files, %.2f MB train / %.2f MB validation, unigram byte entropy %.4f nats\n",
       data_path.c_str(), ds.files().size(), ds.train_bytes() / 1e6, ds.val_bytes() / 1e6, ds.unigram_entropy());
-  say("ranks: %d (expert parallel: %lld experts per rank; %lld of %lld sequences per rank per step)\n", ranks.size,
-      (long long)(cfg.model.n_experts / ranks.size), (long long)Bl, (long long)B);
+  say("ranks: %d (expert-parallel groups of %d: %lld experts per rank, %d replicas of each; %lld of %lld sequences "
+      "per rank per step)\n",
+      ranks.size, ranks.groups.ep_size, (long long)(cfg.model.n_experts / ranks.groups.ep_size), ranks.groups.dp_size,
+      (long long)Bl, (long long)B);
   say("gemm: %s; %d threads per rank; batch %lld x %lld tokens; %lld steps\n", gemm_backend().c_str(),
       omp_get_max_threads(), (long long)B, (long long)T, (long long)cfg.steps);
   if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
 
-  // Every rank holds identical parameters and moments, so the lead rank writes the checkpoint and
+  // The expert-parallel group gathers the expert shards, the lead rank writes the whole model and
   // tells the others whether it succeeded (all ranks then return the same Status).
   auto save = [&](int64_t step) -> Status {
     json state{{"step", step},
@@ -263,7 +268,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                {"identity", resume_identity(cfg)},
                {"config", cfg.to_json()},
                {"ranks", ranks.size}};
-    Status s = ranks.lead() ? save_checkpoint(cfg.checkpoint_dir, model.params(), opt, state) : Status::ok();
+    Status s = runtime::save_sharded_checkpoint(cfg.checkpoint_dir, opt, ranks.groups.ep.get(), ranks.lead(), state);
     int64_t failed = s ? 0 : 1;
     if (Status c = ranks.sum(&failed, 1); !c) return c;
     if (failed && s) return Status::error("checkpoint: rank 0 could not write " + cfg.checkpoint_dir);
@@ -284,18 +289,29 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     double loss = model.forward(tokens.data(), targets.data(), Bl);
     model.backward();
     if (ranks.world) {
-      // Each rank's gradients are its share of the global batch's (Model::set_ce_grad_scale; an
-      // expert's gradient is non-zero only on its owner), so their sum is the whole batch's.
-      for (Param* p : model.params())
-        if (Status s = ranks.world->allreduce(p->grad.data(), static_cast<int64_t>(p->grad.numel())); !s) return s;
+      // Each rank's gradients are its share of the global batch's (Model::set_ce_grad_scale), so
+      // their sum is the whole batch's: replicated parameters sum over every rank, an expert's over
+      // the ranks holding a replica of it.
+      for (Param* p : model.params()) {
+        comm::Communicator* over = p->sharded() ? ranks.groups.dp.get() : ranks.world.get();
+        if (over->size() == 1) continue;
+        if (Status s = over->allreduce(p->grad.data(), static_cast<int64_t>(p->grad.numel())); !s) return s;
+      }
       if (Status s = ranks.sum(&loss, 1); !s) return s;
       loss /= ranks.size;
     }
     if (!std::isfinite(loss) || !std::isfinite(model.moe_loss()))
       return Status::error("training diverged: loss is " + std::to_string(loss) + " at step " +
                            std::to_string(step + 1) + " (try a lower --lr)");
-    double grad_norm = opt.clip_grad_norm(cfg.grad_clip > 0 ? static_cast<float>(cfg.grad_clip)
-                                                            : std::numeric_limits<float>::infinity());
+    Status norm_status;
+    auto sum_over_shards = [&](double x) {
+      if (ranks.world && norm_status) norm_status = ranks.groups.ep->allreduce(&x, 1);
+      return x;
+    };
+    double grad_norm = opt.clip_grad_norm(
+        cfg.grad_clip > 0 ? static_cast<float>(cfg.grad_clip) : std::numeric_limits<float>::infinity(),
+        sum_over_shards);
+    if (!norm_status) return norm_status;
     float lr = lr_at(step, cfg.steps, cfg.warmup_steps, static_cast<float>(cfg.lr), static_cast<float>(cfg.min_lr));
     opt.step(lr);
     double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

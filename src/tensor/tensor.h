@@ -53,6 +53,11 @@ struct Param {
   Tensor value;
   Tensor grad;
   bool decay = true;
+  // Sharded parameters (expert parallelism): this process holds rows [shard_begin, shard_begin +
+  // value.dim(0)) of a tensor whose full first dimension is full_dim0 and whose name is `name`.
+  // full_dim0 == 0: not sharded, the whole tensor (replicated on every rank).
+  int64_t shard_begin = 0, full_dim0 = 0;
+  bool sharded() const { return full_dim0 > 0; }
   Param(std::string n, std::vector<int64_t> shape, bool wd = true)
       : name(std::move(n)), value(shape), grad(shape), decay(wd) {}
 };
