@@ -24,4 +24,9 @@ int moe_layer(const BenchOptions& opt);
 // busbw factors are documented in bench/collectives.cpp. Returns the exit code.
 int collectives(const BenchOptions& opt);
 
+// Expert-parallel training on 2 MPI ranks against 1 process on the same global batch (default model
+// and corpus): step time, exposed communication and how much of the gradient allreduce hides behind
+// compute, from the runtime's timelines. Starts mpirun itself. Returns the exit code.
+int ep_training(const BenchOptions& opt);
+
 }  // namespace moe::bench

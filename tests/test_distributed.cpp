@@ -14,6 +14,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "graph/ep_builder.h"
 #include "model/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -168,7 +174,9 @@ TEST_F(Distributed, ReplicatedExpertsGiveTheSameMath) {
     TrainRun r = train(c.ranks, args + "--checkpoint-dir " + ck.string());
     expect_same_run(std::to_string(c.ranks) + " ranks, " + c.flags, ref, r);
     EXPECT_NE(r.output.find(c.groups), std::string::npos) << r.output;
-    if (r.exit_code == 0) EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
+    if (r.exit_code == 0) {
+      EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
+    }
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -181,13 +189,81 @@ TEST_F(Distributed, IndivisibleBatchIsRejectedOnEveryRank) {
   EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
 }
 
-// A rank that dies, fails or stops responding mid-step takes the whole job down with an error that
-// names it, within the communication timeout: nothing hangs (MOE_FAULT injects the fault).
+// The trace of a real 2-rank run (--trace) holds every op of the step graph once per rank and step,
+// and shows the runtime honouring it: no op starts before its dependencies and the previous op on its
+// stream ended. The metrics split each step into compute and exposed communication.
+TEST_F(Distributed, TraceOfATwoRankRunHonoursTheGraph) {
+  const fs::path trace = dir_ / "trace.json", metrics = dir_ / "m.jsonl";
+  TrainRun r = train(2, model_flags() + "--top-k 2 --steps 4 --trace-steps 2 --allreduce-micro-kb 1 --trace " +
+                            trace.string() + " --metrics " + metrics.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ranks max/mean"), std::string::npos) << r.output;
+
+  moe::ModelConfig cfg;
+  cfg.seq_len = 16, cfg.d_model = 16, cfg.n_layers = 2, cfg.n_heads = 2, cfg.d_ffn = 32, cfg.n_experts = 4;
+  cfg.top_k = 2;
+  const moe::graph::EpStep step = moe::graph::build_ep_step(cfg, {2, 2, 4, 1024});
+  const auto& g = step.graph;
+  std::map<std::string, int> id_of;
+  for (const auto& op : g.ops) ASSERT_TRUE(id_of.emplace(g.op_name(op), op.id).second) << g.op_name(op);
+
+  std::ifstream in(trace);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  ASSERT_FALSE(j.is_discarded());
+  // (rank, step) -> per op [start, end] in microseconds
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> spans;
+  std::set<std::string> thread_names;
+  for (const auto& e : j.at("traceEvents")) {
+    if (e.at("ph") == "M") {
+      if (e.at("name") == "thread_name") thread_names.insert(e.at("args").at("name").get<std::string>());
+      continue;
+    }
+    ASSERT_EQ(e.at("ph"), "X");
+    auto key = std::make_pair(e.at("pid").get<int>(), e.at("args").at("step").get<int>());
+    auto& v = spans[key];
+    v.resize(g.ops.size(), {-1, -1});
+    auto it = id_of.find(e.at("name").get<std::string>());
+    ASSERT_NE(it, id_of.end()) << e.dump();
+    EXPECT_EQ(e.at("tid").get<int>(), g.ops[it->second].stream) << e.dump();
+    v[it->second] = {e.at("ts").get<double>(), e.at("ts").get<double>() + e.at("dur").get<double>()};
+  }
+  EXPECT_EQ(thread_names, (std::set<std::string>{"compute", "a2a", "allreduce"}));
+  ASSERT_EQ(spans.size(), 4u) << "2 ranks x 2 traced steps";
+  const double eps = 0.01;  // microseconds: rounding of ts and dur in the JSON
+  for (const auto& [key, v] : spans) {
+    SCOPED_TRACE("rank " + std::to_string(key.first) + " step " + std::to_string(key.second));
+    std::vector<double> stream_end(g.streams.size(), -1e300);
+    for (const auto& op : g.ops) {
+      ASSERT_GE(v[op.id].first, 0) << g.op_name(op) << " missing";
+      for (int d : op.deps) EXPECT_GE(v[op.id].first + eps, v[d].second) << g.op_name(op) << " after " << d;
+      EXPECT_GE(v[op.id].first + eps, stream_end[op.stream]) << g.op_name(op);
+      stream_end[op.stream] = v[op.id].second;
+    }
+  }
+
+  std::ifstream m(metrics);
+  int steps = 0;
+  for (std::string line; std::getline(m, line);) {
+    auto e = nlohmann::json::parse(line);
+    if (!e.contains("step_ms")) continue;
+    ++steps;
+    EXPECT_GT(e.at("compute_ms").get<double>(), 0) << line;
+    EXPECT_GE(e.at("exposed_comm_ms").get<double>(), 0) << line;
+    EXPECT_GT(e.at("allreduce_ms").get<double>(), 0) << line;
+    EXPECT_LE(e.at("allreduce_hidden_ms").get<double>(), e.at("allreduce_ms").get<double>() + 1e-9) << line;
+    EXPECT_EQ(e.at("tokens_per_rank").size(), 2u) << line;
+  }
+  EXPECT_EQ(steps, 4);
+}
+
+// A rank that dies, fails or stops responding mid-step (at its first expert computation, while the
+// other rank waits in the combine all-to-all) takes the whole job down with an error that names it,
+// within the communication timeout: nothing hangs (MOE_FAULT injects the fault).
 TEST_F(Distributed, AFailingRankStopsTheJobNamingIt) {
   struct Case {
     std::string fault, needle;
   };
-  for (const Case& c : {Case{"kill:1:3", "rank 1"}, Case{"error:1:3", "rank 1: injected fault"},
+  for (const Case& c : {Case{"kill:1:3", "rank 1"}, Case{"error:1:3", "rank 1: L0 expert_fwd: injected fault"},
                         Case{"hang:1:3", "did not complete within 3 s"}}) {
     SCOPED_TRACE(c.fault);
     auto t0 = std::chrono::steady_clock::now();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -14,6 +15,10 @@ namespace moe::cli {
 struct TrainFlags {
   std::string config_file;
   TrainConfig cfg;  // flag targets; only flags actually given are applied over the JSON
+  // --ranks N: start N ranks with mpirun on this machine (the command line re-run under mpirun);
+  // 0 = this process is the job (alone, or one of the ranks mpirun started).
+  int ranks = 0;
+  std::vector<std::string> argv;  // the command line as given, for that re-run
 };
 CLI::App* add_train_command(CLI::App& app, TrainFlags* flags);
 int run_train(const CLI::App& cmd, TrainFlags& flags);

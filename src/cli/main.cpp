@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   CLI::App app{"moe: Mixture-of-Experts training on real ranks (see README.md)"};
   app.require_subcommand(1);
   moe::cli::TrainFlags train;
+  train.argv.assign(argv, argv + argc);
   CLI::App* train_cmd = moe::cli::add_train_command(app, &train);
   moe::cli::BenchFlags bench;
   CLI::App* bench_cmd = moe::cli::add_bench_command(app, &bench);

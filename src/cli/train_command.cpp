@@ -1,5 +1,12 @@
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "cli/commands.h"
@@ -34,11 +41,46 @@ void bind_model_flag(CLI::App* cmd, TrainFlags* f, const std::string& name, T Mo
       {o, [field](const TrainConfig& from, TrainConfig* to) { to->model.*field = from.model.*field; }});
 }
 
+// Re-runs this command line under `mpirun -n N`, without --ranks. As root, OpenMPI wants an explicit
+// permission; with more ranks than cores, oversubscription (both only for this job, through its
+// environment).
+int launch_ranks(const TrainFlags& f) {
+  std::vector<std::string> args{"mpirun", "-n", std::to_string(f.ranks)};
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0 && static_cast<unsigned>(f.ranks) > cores) args.push_back("--oversubscribe");
+  if (geteuid() == 0) {
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
+  }
+  char exe[4096];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  args.push_back(n > 0 ? std::string(exe, n) : f.argv.at(0));
+  for (size_t i = 1; i < f.argv.size(); ++i) {
+    const std::string& a = f.argv[i];
+    if (a == "--ranks") {
+      ++i;  // and its value
+      continue;
+    }
+    if (a.rfind("--ranks=", 0) == 0) continue;
+    args.push_back(a);
+  }
+  std::vector<char*> c_args;
+  for (std::string& a : args) c_args.push_back(a.data());
+  c_args.push_back(nullptr);
+  std::fflush(stdout);
+  execvp("mpirun", c_args.data());
+  std::fprintf(stderr, "moe train: --ranks %d: cannot run mpirun (%s); scripts/setup.sh installs OpenMPI\n", f.ranks,
+               std::strerror(errno));
+  return 1;
+}
+
 }  // namespace
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   CLI::App* c = app.add_subcommand("train", "train a GPT-style MoE model on a text corpus");
   c->add_option("--config", f->config_file, "JSON config file (flags given here override it)");
+  c->add_option("--ranks", f->ranks, "start N ranks on this machine with mpirun (or run under mpirun yourself)")
+      ->check(CLI::NonNegativeNumber);
   bind_flag(c, f, "--data", &TrainConfig::data, "text file or folder (default: Python 3.11 docs sources)");
   bind_flag(c, f, "--steps", &TrainConfig::steps, "optimizer steps");
   bind_flag(c, f, "--batch-size", &TrainConfig::batch_size, "sequences per step");
@@ -60,6 +102,12 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--threads", &TrainConfig::threads, "compute threads per rank (0: the cores shared among ranks)");
   bind_flag(c, f, "--comm-timeout", &TrainConfig::comm_timeout_s,
             "seconds a collective may take before the job stops with an error naming the rank");
+  bind_flag(c, f, "--ranks-per-node", &TrainConfig::ranks_per_node,
+            "ranks per node (0: as MPI finds them); lets one machine stand in for several nodes");
+  bind_flag(c, f, "--allreduce-micro-kb", &TrainConfig::allreduce_micro_kb,
+            "gradient allreduce micro-op size in KiB, so all-to-alls overtake it (0: whole buckets)");
+  bind_flag(c, f, "--trace", &TrainConfig::trace, "write a Chrome trace (Perfetto) of all ranks to FILE");
+  bind_flag(c, f, "--trace-steps", &TrainConfig::trace_steps, "steps the trace covers, from the first");
   bind_model_flag(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");
   bind_model_flag(c, f, "--d-model", &ModelConfig::d_model, "model width C");
   bind_model_flag(c, f, "--layers", &ModelConfig::n_layers, "transformer blocks L");
@@ -93,6 +141,16 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
   if (Status s = cfg.validate(); !s) {
     std::fprintf(stderr, "moe train: %s\n", s.message().c_str());
     return 2;
+  }
+  if (f.ranks > 0) {
+    if (const char* size = std::getenv("OMPI_COMM_WORLD_SIZE")) {
+      if (std::atoi(size) != f.ranks) {
+        std::fprintf(stderr, "moe train: --ranks %d, but mpirun started %s ranks\n", f.ranks, size);
+        return 2;
+      }
+    } else if (f.ranks > 1) {
+      return launch_ranks(f);  // returns only on failure
+    }
   }
   Status s = run_training(cfg);
   if (!s) {

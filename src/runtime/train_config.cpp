@@ -55,6 +55,9 @@ Status TrainConfig::validate() const {
   if (checkpoint_every > 0 && checkpoint_dir.empty()) return fail("checkpoint_every needs checkpoint_dir");
   if (threads < 0) return fail("threads must be >= 0");
   if (!(comm_timeout_s > 0)) return fail("comm_timeout_s must be > 0");
+  if (ranks_per_node < 0) return fail("ranks_per_node must be >= 0 (0: as MPI finds them)");
+  if (allreduce_micro_kb < 0) return fail("allreduce_micro_kb must be >= 0 (0: no micro-ops)");
+  if (trace_steps < 1) return fail("trace_steps must be >= 1");
   if (stop_at_step < 0 || stop_at_step > steps)
     return fail("stop_at_step (" + std::to_string(stop_at_step) + ") must be in [0, steps]");
   namespace fs = std::filesystem;
@@ -65,6 +68,10 @@ Status TrainConfig::validate() const {
   if (!checkpoint_dir.empty()) {
     fs::path parent = fs::absolute(checkpoint_dir).parent_path();
     if (!fs::is_directory(parent)) return fail("checkpoint_dir: directory " + parent.string() + " does not exist");
+  }
+  if (!trace.empty()) {
+    fs::path parent = fs::absolute(trace).parent_path();
+    if (!fs::is_directory(parent)) return fail("trace: directory " + parent.string() + " does not exist");
   }
   if (!resume.empty() && !fs::is_directory(resume)) return fail("resume: no checkpoint directory " + resume);
   return Status::ok();
@@ -93,6 +100,10 @@ json TrainConfig::to_json() const {
               {"stop_at_step", stop_at_step},
               {"threads", threads},
               {"comm_timeout_s", comm_timeout_s},
+              {"ranks_per_node", ranks_per_node},
+              {"allreduce_micro_kb", allreduce_micro_kb},
+              {"trace", trace},
+              {"trace_steps", trace_steps},
               {"model", model.to_json()}};
 }
 
@@ -102,7 +113,8 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
   static const char* kKeys[] = {"data", "steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay",
                                 "grad_clip", "beta1", "beta2", "seed", "val_fraction", "log_every", "eval_every",
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
-                                "stop_at_step", "threads", "comm_timeout_s", "model"};
+                                "stop_at_step", "threads", "comm_timeout_s", "ranks_per_node",
+                                "allreduce_micro_kb", "trace", "trace_steps", "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -120,7 +132,10 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "checkpoint_dir", &c.checkpoint_dir)) &&
       (s = read_key(j, "checkpoint_every", &c.checkpoint_every)) && (s = read_key(j, "resume", &c.resume)) &&
       (s = read_key(j, "stop_at_step", &c.stop_at_step)) &&
-      (s = read_key(j, "threads", &c.threads)) && (s = read_key(j, "comm_timeout_s", &c.comm_timeout_s))) {
+      (s = read_key(j, "threads", &c.threads)) && (s = read_key(j, "comm_timeout_s", &c.comm_timeout_s)) &&
+      (s = read_key(j, "ranks_per_node", &c.ranks_per_node)) &&
+      (s = read_key(j, "allreduce_micro_kb", &c.allreduce_micro_kb)) && (s = read_key(j, "trace", &c.trace)) &&
+      (s = read_key(j, "trace_steps", &c.trace_steps))) {
   }
   if (!s) return s;
   if (auto it = j.find("model"); it != j.end()) {

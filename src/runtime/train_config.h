@@ -42,6 +42,10 @@ struct TrainConfig {
   int64_t stop_at_step = 0;       // stop early at this step (checkpoint written), schedule unchanged; 0 = run to steps
   int threads = 0;                // OpenMP threads; 0 = all cores (shared among the ranks on a machine)
   double comm_timeout_s = 60;     // a collective not done by then fails, naming the rank and operation
+  int ranks_per_node = 0;         // ranks per node for the topology; 0 = as MPI finds them (shared memory)
+  int64_t allreduce_micro_kb = 256;  // gradient allreduce micro-op size (KiB); 0 = one op per bucket
+  std::string trace;              // Chrome trace JSON of the first trace_steps steps, all ranks; empty = none
+  int64_t trace_steps = 5;
 
   // Every field and combination; the message names the key and value.
   Status validate() const;

@@ -21,11 +21,16 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/mpi_communicator.h"
+#include "comm/topology.h"
+#include "graph/ep_builder.h"
 #include "model/checkpoint.h"
 #include "model/data.h"
 #include "model/model.h"
 #include "model/optimizer.h"
+#include "runtime/ep_step_bodies.h"
+#include "runtime/executor.h"
 #include "runtime/sharded_checkpoint.h"
+#include "runtime/trace.h"
 #include "tensor/ops.h"
 
 namespace moe {
@@ -54,6 +59,10 @@ struct Ranks {
   std::unique_ptr<comm::MpiSession> session;
   std::unique_ptr<comm::Communicator> world;
   comm::Groups groups;  // ep: one copy of every expert; dp: the replicas of my experts
+  // The allreduce lane's own communicators (the all-to-all lane uses the MoE layers' ep group and
+  // the world; the main thread uses the world between steps).
+  std::unique_ptr<comm::Communicator> grad_world, grad_dp;
+  comm::Topology topology;
   int rank = 0, size = 1;
   bool lead() const { return rank == 0; }
   // Sum over ranks (identity with one rank).
@@ -61,9 +70,10 @@ struct Ranks {
   Status sum(int64_t* x, int64_t n) { return world ? world->allreduce(x, n) : Status::ok(); }
 };
 
-// Fault injection for the failure tests: MOE_FAULT=<kind>:<rank>:<step> makes that rank, at the
-// start of that (1-based) step, die by SIGKILL (kill), fail with an error (error), or stop
-// responding without dying (hang). Nothing happens without the variable.
+// Fault injection for the failure tests: MOE_FAULT=<kind>:<rank>:<step> makes that rank, in the middle
+// of that (1-based) step (when its first expert computation starts, while the other ranks exchange
+// tokens), die by SIGKILL (kill), fail with an error (error), or stop responding without dying (hang).
+// Nothing happens without the variable.
 struct Fault {
   std::string kind;
   int rank = -1;
@@ -133,7 +143,8 @@ Status check_same_everywhere(Ranks& ranks, const TrainConfig& cfg, const TextDat
 json resume_identity(const TrainConfig& c) {
   json j = c.to_json();
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
-                        "eval_every", "eval_batches", "threads"})
+                        "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
+                        "trace", "trace_steps"})
     j.erase(k);
   return j;
 }
@@ -184,12 +195,31 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   Model model(cfg.model, Bl);
   const int64_t full_params = model.num_params();
   model.init(cfg.seed);
+  const int ep_size = static_cast<int>(std::gcd<int64_t>(cfg.model.n_experts, ranks.size));
   if (ranks.world) {
-    const int ep_size = static_cast<int>(std::gcd<int64_t>(cfg.model.n_experts, ranks.size));
+    if (Status s = comm::detect_topology(*ranks.world, cfg.ranks_per_node, &ranks.topology); !s) return s;
     if (Status s = comm::make_groups(*ranks.world, ep_size, &ranks.groups); !s) return s;
+    if (Status s = ranks.world->dup("world-grad", &ranks.grad_world); !s) return s;
+    if (Status s = ranks.groups.dp->dup(ranks.groups.dp->name() + "-grad", &ranks.grad_dp); !s) return s;
     model.set_expert_parallel(ranks.groups.ep.get(), ranks.world.get());
     model.set_ce_grad_scale(1.0f / static_cast<float>(ranks.size));
   }
+  // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
+  graph::EpStepOptions gopt;
+  gopt.world = ranks.size;
+  gopt.ep_size = ep_size;
+  gopt.batch = Bl;
+  gopt.allreduce_micro_bytes = cfg.allreduce_micro_kb * 1024;
+  graph::EpStep step_graph = graph::build_ep_step(cfg.model, gopt);
+  runtime::EpStepBodies bodies(model, step_graph, {ranks.grad_world.get(), ranks.grad_dp.get()});
+  const Fault fault = fault_from_env();
+  int64_t current_step = 0;  // 1-based, for the fault injection
+  const runtime::OpBody body = [&](graph::Op& op) {
+    if ((op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::ffn_fwd) && op.layer == 0)
+      if (Status s = inject(fault, ranks.rank, current_step); !s) return s;
+    return bodies.run(op);
+  };
+  runtime::Executor executor;
   AdamWConfig ocfg;
   ocfg.lr = static_cast<float>(cfg.lr);
   ocfg.beta1 = static_cast<float>(cfg.beta1);
@@ -251,6 +281,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       cfg.model.activation.c_str(), cfg.model.norm.c_str());
   say("data: %s, %zu files, %.2f MB train / %.2f MB validation, unigram byte entropy %.4f nats\n",
       data_path.c_str(), ds.files().size(), ds.train_bytes() / 1e6, ds.val_bytes() / 1e6, ds.unigram_entropy());
+  if (ranks.world) say("topology: %s\n", ranks.topology.describe().c_str());
   say("ranks: %d (expert-parallel groups of %d: %lld experts per rank, %d replicas of each; %lld of %lld sequences "
       "per rank per step)\n",
       ranks.size, ranks.groups.ep_size, (long long)(cfg.model.n_experts / ranks.groups.ep_size), ranks.groups.dp_size,
@@ -275,28 +306,65 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     return s;
   };
 
+  // The trace covers steps (start, start + trace_steps], timed from an epoch every rank takes after
+  // one barrier (the same clock on one machine; within the barrier's skew across machines).
+  std::vector<runtime::TraceRecord> trace_records;
+  const int64_t trace_end = std::min(end, start + cfg.trace_steps);
+  int64_t trace_epoch_ns = 0;
+  if (!cfg.trace.empty()) {
+    if (ranks.world)
+      if (Status s = ranks.world->barrier(); !s) return s;
+    trace_epoch_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  }
+  auto write_trace = [&]() -> Status {
+    std::vector<int64_t> mine = runtime::flatten(trace_records), all = mine;
+    if (ranks.world) {
+      int64_t n = static_cast<int64_t>(mine.size());
+      std::vector<int64_t> counts(ranks.size), displs(ranks.size);
+      if (Status s = ranks.world->allgather(&n, 1, counts.data()); !s) return s;
+      for (int r = 1; r < ranks.size; ++r) displs[r] = displs[r - 1] + counts[r - 1];
+      all.assign(displs.back() + counts.back(), 0);
+      if (Status s = ranks.world->allgatherv(mine.data(), n, all.data(), counts, displs); !s) return s;
+    }
+    Status s = ranks.lead() ? runtime::write_chrome_trace(cfg.trace, step_graph.graph, runtime::unflatten(all),
+                                                          ranks.size)
+                            : Status::ok();
+    int64_t failed = s ? 0 : 1;
+    if (Status c = ranks.sum(&failed, 1); !c) return c;
+    if (failed && s) return Status::error("trace: rank 0 could not write " + cfg.trace);
+    return s;
+  };
+
   std::vector<int32_t> tokens(Bl * T), targets(Bl * T);
   std::vector<int64_t> load_buf;
   double last_val = std::nan("");
-  double window_loss = 0, window_seconds = 0;
+  double window_loss = 0, window_seconds = 0, window_exposed_ms = 0;
   int64_t window_steps = 0;
-  const Fault fault = fault_from_env();
   for (int64_t step = start; step < end; ++step) {
-    if (Status s = inject(fault, ranks.rank, step + 1); !s) return s;
+    current_step = step + 1;
     auto t0 = Clock::now();
     ds.batch_rows(step, B, ranks.rank * Bl, Bl, tokens.data(), targets.data());
     model.zero_grad();
-    double loss = model.forward(tokens.data(), targets.data(), Bl);
-    model.backward();
-    if (ranks.world) {
-      // Each rank's gradients are its share of the global batch's (Model::set_ce_grad_scale), so
-      // their sum is the whole batch's: replicated parameters sum over every rank, an expert's over
-      // the ranks holding a replica of it.
-      for (Param* p : model.params()) {
-        comm::Communicator* over = p->sharded() ? ranks.groups.dp.get() : ranks.world.get();
-        if (over->size() == 1) continue;
-        if (Status s = over->allreduce(p->grad.data(), static_cast<int64_t>(p->grad.numel())); !s) return s;
+    model.begin_step(tokens.data(), targets.data(), Bl);
+    // Forward, backward and the gradient sums (each rank's gradients are its share of the global
+    // batch's, Model::set_ce_grad_scale, so their sum is the whole batch's).
+    runtime::StepTimeline timeline;
+    if (Status s = executor.run(step_graph.graph, body, &timeline); !s) return s;
+    if (!cfg.trace.empty() && step < trace_end) {
+      runtime::append_records(&trace_records, step_graph.graph, timeline, ranks.rank, step + 1, trace_epoch_ns);
+      if (step + 1 == trace_end) {
+        if (Status s = write_trace(); !s) return s;
+        say("trace: steps %lld-%lld of %d rank(s) written to %s\n", (long long)(start + 1), (long long)trace_end,
+            ranks.size, cfg.trace.c_str());
       }
+    }
+    // Where the step's time went, averaged over ranks.
+    const runtime::StepBreakdown br = runtime::breakdown(step_graph.graph, timeline);
+    double times[5] = {br.compute_ms, br.exposed_comm_ms, br.comm_ms, br.allreduce_ms, br.allreduce_hidden_ms};
+    if (Status s = ranks.sum(times, 5); !s) return s;
+    for (double& t : times) t /= ranks.size;
+    double loss = model.cross_entropy();
+    if (ranks.world) {
       if (Status s = ranks.sum(&loss, 1); !s) return s;
       loss /= ranks.size;
     }
@@ -317,6 +385,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     window_loss += loss;
     window_seconds += seconds;
+    window_exposed_ms += times[1];
     ++window_steps;
 
     const int64_t done = step + 1;
@@ -359,6 +428,11 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                    {"grad_norm", grad_norm},
                    {"step_ms", seconds * 1e3},
                    {"tokens_per_s", B * T / seconds},
+                   {"compute_ms", times[0]},
+                   {"exposed_comm_ms", times[1]},
+                   {"comm_ms", times[2]},
+                   {"allreduce_ms", times[3]},
+                   {"allreduce_hidden_ms", times[4]},
                    {"load_imbalance", per_layer_imbalance},
                    {"tokens_per_rank", per_layer_rank_tokens},
                    {"rank_imbalance", per_layer_rank_imbalance},
@@ -373,11 +447,22 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
         load << buf;
       }
       // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
-      say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
+      std::string rank_load;
+      if (ranks.world) {
+        // The slowest rank sets the pace: its expert rows over the mean, worst layer; and the share of
+        // the step the compute stream waited on communication.
+        double worst = 1;
+        for (const auto& r : per_layer_rank_imbalance) worst = std::max(worst, r.get<double>());
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "  ranks max/mean %.2f  comm %2.0f%%", worst,
+                      100.0 * window_exposed_ms / (1e3 * window_seconds));
+        rank_load = buf;
+      }
+      say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
           (long long)done, (long long)cfg.steps, window_loss / window_steps,
           model.aux_loss() / std::max<size_t>(1, loads.size()), lr, grad_norm, window_steps * B * T / window_seconds,
-          load.str().c_str());
-      window_loss = window_seconds = 0;
+          load.str().c_str(), rank_load.c_str());
+      window_loss = window_seconds = window_exposed_ms = 0;
       window_steps = 0;
     }
 
@@ -413,6 +498,10 @@ Status run_training(const TrainConfig& cfg) {
   Ranks ranks;
   if (started_by_mpirun()) {
     if (Status s = comm::MpiSession::start(&ranks.session); !s) return s;
+    // The runtime's communication lanes call MPI from their own threads at the same time.
+    if (std::string(ranks.session->thread_level_name()) != "MPI_THREAD_MULTIPLE")
+      return Status::error(std::string("comm: this MPI library provides only ") + ranks.session->thread_level_name() +
+                           "; moe needs MPI_THREAD_MULTIPLE for its communication threads");
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.comm_timeout_s * 1000));
     if (Status s = ranks.session->world(&ranks.world, timeout); !s) return s;
     ranks.rank = ranks.world->rank();

@@ -1,0 +1,130 @@
+// moe bench ep-training: see bench.h.
+//
+// Runs `moe train` on the default corpus and model three ways, one after the other in the same run,
+// each for `steps` steps with metrics (the runtime's per-step timeline, the same spans --trace shows):
+//   1 process     all of the global batch in one process, `threads` OpenMP threads (the reference)
+//   2 ranks EP    mpirun -n 2, threads/2 each: experts divided, alltoallv dispatch/combine on the
+//                 all-to-all lane, gradient allreduce in micro-ops on the allreduce lane under backward
+//   2 ranks, no micro-ops  the same with whole-bucket allreduces (--allreduce-micro-kb 0)
+// Columns (medians over the steps after the first `warmup`; times are the mean over ranks of that step):
+//   step ms      wall time of forward + backward + gradient sums + optimizer
+//   tok/s        global batch tokens / step time
+//   vs 1 proc    1-process step time / this step time (> 1: faster than one process)
+//   compute ms   time the compute stream ran ops
+//   exposed ms   step graph time the compute stream waited on communication (and its share of the
+//                step graph time, compute + exposed)
+//   allreduce ms gradient allreduce time on its lane; hidden: the part that ran while compute ran
+//   ranks max/mean  expert rows of the busiest rank over the mean, worst MoE layer (the straggler)
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+
+namespace moe::bench {
+namespace {
+
+struct Row {
+  std::string name;
+  bool ok = false;
+  double step_ms = 0, compute_ms = 0, exposed_ms = 0, allreduce_ms = 0, hidden_ms = 0, rank_imbalance = 1;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, n) : "moe";
+}
+
+Row run(const std::string& name, int ranks, int threads, const std::string& extra, int steps, int warmup) {
+  Row row;
+  row.name = name;
+  const std::string metrics = std::filesystem::temp_directory_path() / ("moe_bench_ep_" + std::to_string(getpid()) +
+                                                                        ".jsonl");
+  std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
+  if (ranks > 1) cmd += "mpirun -n " + std::to_string(ranks) + " ";
+  cmd += self_exe() + " train --steps " + std::to_string(steps) + " --log-every " + std::to_string(steps) +
+         " --eval-batches 1 --threads " + std::to_string(threads) + " --metrics " + metrics + " " + extra +
+         " > /dev/null 2>&1";
+  int st = std::system(cmd.c_str());
+  if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+    std::fprintf(stderr, "bench ep-training: '%s' failed (exit %d)\n", cmd.c_str(), WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    return row;
+  }
+  std::vector<double> step, compute, exposed, allreduce, hidden, imbalance;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("step_ms") || j["step"].get<int>() <= warmup) continue;
+    step.push_back(j["step_ms"]);
+    compute.push_back(j["compute_ms"]);
+    exposed.push_back(j["exposed_comm_ms"]);
+    allreduce.push_back(j["allreduce_ms"]);
+    hidden.push_back(j["allreduce_hidden_ms"]);
+    double worst = 1;
+    for (const auto& r : j["rank_imbalance"]) worst = std::max(worst, r.get<double>());
+    imbalance.push_back(worst);
+  }
+  std::filesystem::remove(metrics);
+  if (step.empty()) return row;
+  row.ok = true;
+  row.step_ms = median(step);
+  row.compute_ms = median(compute);
+  row.exposed_ms = median(exposed);
+  row.allreduce_ms = median(allreduce);
+  row.hidden_ms = median(hidden);
+  row.rank_imbalance = median(imbalance);
+  return row;
+}
+
+}  // namespace
+
+int ep_training(const BenchOptions& opt) {
+  const int steps = 40, warmup = 5, threads = std::max(2, opt.threads);
+  const int64_t tokens = 16 * 128;  // the default global batch
+  std::printf("# moe bench ep-training: default model and corpus, %d steps (medians after %d), %d cores in all\n",
+              steps, warmup, threads);
+  std::vector<Row> rows;
+  rows.push_back(run("1 process", 1, threads, "", steps, warmup));
+  rows.push_back(run("2 ranks EP", 2, threads / 2, "", steps, warmup));
+  rows.push_back(run("2 ranks EP, no micro-ops", 2, threads / 2, "--allreduce-micro-kb 0", steps, warmup));
+  std::printf("%-26s %8s %8s %9s %10s %16s %13s %9s %10s\n", "run", "step ms", "tok/s", "vs 1 proc", "compute ms",
+              "exposed ms (%)", "allreduce ms", "hidden %", "ranks m/m");
+  const double ref = rows[0].ok ? rows[0].step_ms : 0;
+  int failed = 0;
+  for (const Row& r : rows) {
+    if (!r.ok) {
+      std::printf("%-26s %8s\n", r.name.c_str(), "failed");
+      ++failed;
+      continue;
+    }
+    const double graph_ms = r.compute_ms + r.exposed_ms;
+    char ar[32] = "-", hid[32] = "-";
+    if (r.allreduce_ms > 0) {
+      std::snprintf(ar, sizeof ar, "%.1f", r.allreduce_ms);
+      std::snprintf(hid, sizeof hid, "%.0f", 100 * r.hidden_ms / r.allreduce_ms);
+    }
+    char exposed[32];
+    std::snprintf(exposed, sizeof exposed, "%.1f (%.0f%%)", r.exposed_ms, graph_ms > 0 ? 100 * r.exposed_ms / graph_ms : 0);
+    std::printf("%-26s %8.1f %8.0f %9.2f %10.1f %16s %13s %9s %10.2f\n", r.name.c_str(), r.step_ms,
+                tokens / (r.step_ms / 1e3), ref > 0 ? ref / r.step_ms : 0, r.compute_ms, exposed, ar, hid,
+                r.rank_imbalance);
+  }
+  return failed ? 1 : 0;
+}
+
+}  // namespace moe::bench

@@ -1,0 +1,64 @@
+// The expert-parallel (EP) training step as a StepGraph: the baseline every strategy is measured
+// against (GShard / DeepSpeed-MoE style).
+//
+// Placement: experts divided evenly among the ranks of an expert-parallel group of ep_size ranks
+// (consecutive world ranks, comm::Groups); world / ep_size groups each hold a replica of every
+// expert. The global batch is spread over all ranks.
+//
+// One rank's step (l = block; per MoE block with ep_size > 1 the MoE layer's phases are separate ops):
+//   forward   embed_fwd, then per block: attn_fwd, gate_fwd, gate_sync [a2a lane, world],
+//             dispatch_fwd, dispatch_a2a [a2a lane, ep], expert_fwd, combine_a2a [a2a], combine_fwd
+//             (dense blocks, or one process: attn_fwd, ffn_fwd), then head_fwd
+//   backward  head_bwd, then per block from the last: combine_bwd, combine_a2a_bwd [a2a], expert_bwd,
+//             dispatch_a2a_bwd [a2a], gate_bwd, attn_bwd (or ffn_bwd, attn_bwd), then embed_bwd
+//   gradients the replicated parameters of block l (attention, norms, router, dense FFN) are summed
+//             over the world by grad_allreduce micro-ops on the allreduce lane, issued as soon as
+//             attn_bwd(l) ends, so they run under the backward of the blocks below; expert weights
+//             are summed over their replicas (dp group) after expert_bwd(l); the head's norm after
+//             head_bwd; the embeddings after embed_bwd.
+// Priorities: the all-to-all lane (priority 1) before the allreduce lane (priority 0): an exchange on
+// the critical path overtakes gradient traffic at the next micro-op boundary (Lina's rule).
+// The optimizer is not part of the graph: it runs after every op ended.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "graph/step_graph.h"
+#include "model/config.h"
+
+namespace moe::graph {
+
+struct EpStepOptions {
+  int world = 1;          // ranks
+  int ep_size = 1;        // ranks per expert-parallel group; divides world and n_experts
+  int64_t batch = 1;      // sequences per rank
+  // Gradient allreduce is cut into micro-ops of at most this many bytes (0: one op per bucket).
+  int64_t allreduce_micro_bytes = 1 << 20;
+};
+
+// The stream indices of an EP graph (streams absent with one rank).
+inline constexpr int kComputeStream = 0, kA2aStream = 1, kAllreduceStream = 2;
+inline constexpr int kA2aPriority = 1, kAllreducePriority = 0;
+
+// A gradient bucket: the parameters one grad_allreduce op (and its micro-ops) sums, by name.
+struct GradBucket {
+  std::string label;                 // "blocks.3", "blocks.3.experts", "embeddings", "head"
+  Group group = Group::world;        // world: replicated parameters; dp: expert replicas
+  std::vector<std::string> params;   // parameter names (docs/model.md)
+  int64_t elements = 0;              // this rank's elements over all of them
+};
+
+struct EpStep {
+  StepGraph graph;
+  // Buckets by index; the grad_allreduce ops of bucket i have label buckets[i].label.
+  std::vector<GradBucket> buckets;
+};
+
+// Pure: the graph for cfg and opt (the same on every rank up to sizes filled in at run time).
+// REQUIRES: cfg.validate() ok; opt.world % opt.ep_size == 0; cfg.n_experts % opt.ep_size == 0;
+// opt.batch >= 1 (std::invalid_argument otherwise).
+EpStep build_ep_step(const ModelConfig& cfg, const EpStepOptions& opt);
+
+}  // namespace moe::graph

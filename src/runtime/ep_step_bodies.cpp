@@ -1,0 +1,112 @@
+#include "runtime/ep_step_bodies.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "graph/step_graph.h"
+
+namespace moe::runtime {
+
+using graph::Op;
+using graph::OpKind;
+
+EpStepBodies::EpStepBodies(Model& model, const graph::EpStep& step, GradComms comms)
+    : model_(model), step_(step), comms_(comms) {
+  std::map<std::string, Param*> by_name;
+  for (Param* p : model.params()) by_name[p->name] = p;
+  for (const graph::GradBucket& gb : step.buckets) {
+    Bucket b;
+    b.over = gb.group == graph::Group::dp ? comms.grad_dp : comms.grad_world;
+    for (const std::string& name : gb.params) {
+      auto it = by_name.find(name);
+      if (it == by_name.end()) throw std::logic_error("EpStepBodies: the model has no parameter " + name);
+      b.params.push_back(it->second);
+      b.elements += static_cast<int64_t>(it->second->grad.numel());
+    }
+    if (b.elements != gb.elements)
+      throw std::logic_error("EpStepBodies: bucket " + gb.label + " has " + std::to_string(b.elements) +
+                             " elements here, the graph says " + std::to_string(gb.elements));
+    buckets_.push_back(std::move(b));
+  }
+}
+
+Status EpStepBodies::allreduce(const Op& op) {
+  size_t i = 0;
+  while (i < step_.buckets.size() && step_.buckets[i].label != op.label) ++i;
+  if (i == buckets_.size()) throw std::logic_error("EpStepBodies: no bucket " + op.label);
+  const Bucket& b = buckets_[i];
+  if (!b.over || b.over->size() == 1) return Status::ok();
+  // This micro-op's share of the bucket, as if its parameters' gradients were one array.
+  const graph::Range r = graph::micro_range(b.elements, op.micro, op.n_micro);
+  int64_t first = 0;  // bucket index of the current parameter's element 0
+  for (Param* p : b.params) {
+    const int64_t n = static_cast<int64_t>(p->grad.numel());
+    const int64_t lo = std::max(r.begin, first), hi = std::min(r.end, first + n);
+    if (lo < hi)
+      if (Status s = b.over->allreduce(p->grad.data() + (lo - first), hi - lo); !s) return s;
+    first += n;
+  }
+  return Status::ok();
+}
+
+Status EpStepBodies::run(Op& op) {
+  const int64_t l = op.layer;
+  MoeLayer* moe = l >= 0 ? model_.moe_layer(l) : nullptr;
+  // Sizes only the gate knows, recorded on the op for the trace and the metrics.
+  auto exchange_cost = [&](bool to_experts) {
+    op.cost.bytes = moe->ep_bytes_out(to_experts);
+    op.cost.peer_bytes = moe->ep_peer_bytes(to_experts);
+  };
+  auto expert_flops = [&](double passes) {
+    const MoeConfig& c = moe->config();
+    const double mats = c.activation == Activation::swiglu ? 3 : 2;
+    op.cost.flops = passes * 2 * mats * static_cast<double>(moe->expert_rows()) * c.d_model * c.d_ffn;
+  };
+  switch (op.kind) {
+    case OpKind::embed_fwd: model_.embed_forward(); break;
+    case OpKind::attn_fwd: model_.attn_forward(l); break;
+    case OpKind::ffn_fwd: model_.ffn_forward(l); break;
+    case OpKind::gate_fwd: model_.moe_gate_forward(l); break;
+    case OpKind::gate_sync: moe->ep_gate_sync(); break;
+    case OpKind::dispatch_fwd: moe->ep_dispatch(); break;
+    case OpKind::dispatch_a2a:
+      exchange_cost(true);
+      moe->ep_dispatch_a2a();
+      break;
+    case OpKind::expert_fwd:
+      expert_flops(1);
+      moe->ep_experts();
+      break;
+    case OpKind::combine_a2a:
+      exchange_cost(false);
+      moe->ep_combine_a2a();
+      break;
+    case OpKind::combine_fwd: model_.moe_combine_forward(l); break;
+    case OpKind::head_fwd: model_.head_forward(); break;
+    case OpKind::head_bwd: model_.head_backward(); break;
+    case OpKind::combine_bwd: model_.moe_combine_backward(l); break;
+    case OpKind::combine_a2a_bwd:
+      exchange_cost(true);
+      moe->ep_combine_a2a_bwd();
+      break;
+    case OpKind::expert_bwd:
+      expert_flops(2);
+      moe->ep_experts_bwd();
+      break;
+    case OpKind::dispatch_a2a_bwd:
+      exchange_cost(false);
+      moe->ep_dispatch_a2a_bwd();
+      break;
+    case OpKind::gate_bwd: model_.moe_gate_backward(l); break;
+    case OpKind::ffn_bwd: model_.ffn_backward(l); break;
+    case OpKind::attn_bwd: model_.attn_backward(l); break;
+    case OpKind::embed_bwd: model_.embed_backward(); break;
+    case OpKind::grad_allreduce: return allreduce(op);
+    default: throw std::logic_error(std::string("EpStepBodies: no body for ") + graph::op_kind_name(op.kind));
+  }
+  return Status::ok();
+}
+
+}  // namespace moe::runtime
