@@ -7,6 +7,7 @@
 #include <functional>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <numbers>
 #include <set>
 #include <stdexcept>
@@ -695,3 +696,74 @@ TEST(Checkpoint, PyTorchWritesAFileWeRead) {
 }
 
 }  // namespace
+
+// A checkpoint written in parts (model/checkpoint.h, "Written by several ranks"), here by one process
+// playing two ranks: replicated r [3] on part 0, sharded w [4,2] as rows [0,2) and [2,4). It loads
+// whole into an unsharded model, names a missing part, and refuses parts that do not tile the rows.
+TEST(Checkpoint, PartsWrittenByOwnersJoinIntoTheWholeModel) {
+  fs::path dir = temp_dir("parts");
+  auto make = [](const std::string& name, std::vector<int64_t> shape, int64_t first, int64_t full, float base) {
+    auto p = std::make_unique<Param>(name, shape);
+    for (size_t i = 0; i < p->value.numel(); ++i) p->value[i] = base + static_cast<float>(i);
+    p->shard_begin = first;
+    p->full_dim0 = full;
+    return p;
+  };
+  auto r = make("r", {3}, 0, 0, 100);
+  auto w0 = make("w", {2, 2}, 0, 4, 0);  // rows 0, 1: values 0..3
+  auto w1 = make("w", {2, 2}, 2, 4, 4);  // rows 2, 3: values 4..7
+  AdamW rank0({r.get(), w0.get()}, AdamWConfig{}), rank1({w1.get()}, AdamWConfig{});
+  for (AdamW* o : {&rank0, &rank1}) {
+    o->set_steps(7);
+    for (size_t i = 0; i < o->params().size(); ++i) {
+      for (size_t j = 0; j < o->m(i).numel(); ++j) {
+        o->m(i)[j] = static_cast<float>(i) + 0.5f;
+        o->v(i)[j] = static_cast<float>(i) + 0.25f;
+      }
+    }
+  }
+  const std::string ck = (dir / "ck").string(), staging = checkpoint_staging_dir(ck, 42);
+  auto write = [&](bool with_part1) {
+    ASSERT_TRUE(begin_checkpoint(ck, staging));
+    ASSERT_TRUE(write_checkpoint_part(staging, 0, 2, rank0, true, {{"step", 7}}));
+    if (with_part1) {
+      ASSERT_TRUE(write_checkpoint_part(staging, 1, 2, rank1, false, {{"step", 7}}));
+    }
+  };
+  write(false);
+  Status missing = finish_checkpoint(ck, staging, 2, rank0, {{"step", 7}});
+  EXPECT_FALSE(missing);
+  EXPECT_NE(missing.message().find("part 1 is missing"), std::string::npos) << missing.message();
+  EXPECT_FALSE(fs::exists(ck)) << "a checkpoint without all its parts must not appear";
+  abandon_checkpoint(staging);
+  EXPECT_FALSE(fs::exists(staging));
+
+  write(true);
+  ASSERT_TRUE(finish_checkpoint(ck, staging, 2, rank0, {{"step", 7}}));
+  EXPECT_TRUE(fs::exists(dir / "ck" / "model-1-of-2.safetensors"));
+  std::map<std::string, LoadedTensor> whole;
+  ASSERT_TRUE(read_checkpoint_weights(ck, &whole));
+  ASSERT_EQ(whole.at("w").shape, (std::vector<int64_t>{4, 2}));
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(whole.at("w").data[i], static_cast<float>(i));
+  EXPECT_EQ(whole.at("r").data[2], 102.0f);
+
+  // Loads into one process's unsharded parameters: weights, moments (both parts' rows) and step.
+  Param r_full("r", {3}), w_full("w", {4, 2});
+  AdamW full({&r_full, &w_full}, AdamWConfig{});
+  nlohmann::json state;
+  ASSERT_TRUE(load_checkpoint(ck, {&r_full, &w_full}, &full, &state));
+  EXPECT_EQ(state.at("step"), 7);
+  EXPECT_EQ(full.steps(), 7);
+  EXPECT_EQ(w_full.value[7], 7.0f);
+  EXPECT_EQ(full.m(1)[0], 1.5f);  // rank 0's moment of w (its param 1)
+  EXPECT_EQ(full.m(1)[7], 0.5f);  // rank 1's moment of w (its param 0)
+
+  // Rows that do not tile [0, 4): part 1 claiming rows [1, 3) is rejected, naming the tensor.
+  w1->shard_begin = 1;
+  write(true);
+  ASSERT_TRUE(finish_checkpoint(ck, staging, 2, rank0, {{"step", 8}}));
+  Status bad = read_checkpoint_weights(ck, &whole);
+  EXPECT_FALSE(bad);
+  EXPECT_NE(bad.message().find("tensor w do not cover its 4 rows exactly once"), std::string::npos) << bad.message();
+  fs::remove_all(dir);
+}

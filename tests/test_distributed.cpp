@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "graph/ep_builder.h"
-#include "model/safetensors.h"
+#include "model/checkpoint.h"
 
 namespace fs = std::filesystem;
 
@@ -53,10 +53,9 @@ std::vector<double> losses(const std::string& out) {
 }
 
 std::map<std::string, moe::LoadedTensor> weights(const fs::path& ckpt) {
-  std::string bytes;
   std::map<std::string, moe::LoadedTensor> t;
-  EXPECT_TRUE(moe::read_file((ckpt / "model.safetensors").string(), &bytes));
-  EXPECT_TRUE(moe::decode_safetensors(bytes, ckpt.string(), &t, nullptr));
+  moe::Status s = moe::read_checkpoint_weights(ckpt.string(), &t);
+  EXPECT_TRUE(s) << s.message();
   return t;
 }
 
@@ -149,6 +148,9 @@ TEST_F(Distributed, ResumeWithADifferentRankCount) {
   ASSERT_EQ(full.exit_code, 0) << full.output;
   TrainRun first = train(2, args + "--stop-at-step 3 --checkpoint-dir " + (dir_ / "half").string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  // each rank wrote the part it owns
+  EXPECT_TRUE(fs::exists(dir_ / "half" / "model-0-of-2.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "half" / "optimizer-1-of-2.safetensors"));
   TrainRun second = train(4, args + "--resume " + (dir_ / "half").string() + " --checkpoint-dir " + (dir_ / "end").string());
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resume:"), std::string::npos) << second.output;

@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -62,6 +64,29 @@ fs::path folder_path(const std::string& dir) {
   return p;
 }
 
+// The files of part p of n (n == 1: the single-file names).
+std::string part_file(const char* kind, int p, int n) {
+  if (n == 1) return std::string(kind) + ".safetensors";
+  return std::string(kind) + "-" + std::to_string(p) + "-of-" + std::to_string(n) + ".safetensors";
+}
+
+// "model-3-of-4.safetensors" or "optimizer-0-of-2.safetensors".
+bool is_part_file(const std::string& n) {
+  for (const char* kind : {"model-", "optimizer-"}) {
+    const size_t k = std::strlen(kind);
+    if (n.compare(0, k, kind) != 0 || n.size() < k + 16) continue;
+    if (n.compare(n.size() - 12, 12, ".safetensors") != 0) continue;
+    const std::string mid = n.substr(k, n.size() - 12 - k);  // "3-of-4"
+    const size_t of = mid.find("-of-");
+    if (of == std::string::npos || of == 0 || of + 4 == mid.size()) continue;
+    bool digits = true;
+    for (size_t i = 0; i < mid.size(); ++i)
+      if (i < of || i >= of + 4) digits = digits && std::isdigit(static_cast<unsigned char>(mid[i]));
+    if (digits) return true;
+  }
+  return false;
+}
+
 // Whether an existing `dir` may be replaced: a folder holding only what save_checkpoint writes.
 Status replaceable(const fs::path& dir) {
   std::error_code ec;
@@ -69,7 +94,8 @@ Status replaceable(const fs::path& dir) {
     return Status::error("checkpoint: " + dir.string() + " exists and is not a directory; refusing to replace it");
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    bool ours = false;
+    bool ours = is_part_file(n) || (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0 &&
+                                    is_part_file(n.substr(0, n.size() - 4)));
     for (const char* f : {kModelFile, kOptimizerFile, kStateFile})
       ours = ours || n == f || n == std::string(f) + ".tmp";
     if (!ours)
@@ -144,86 +170,70 @@ void copy_into(const std::map<std::string, LoadedTensor>& loaded,
   }
 }
 
-}  // namespace
+// One file of a part: the tensors (a sharded parameter's rows under its own name) and the metadata
+// "rows" {name: [first, full_rows]} for the sharded ones.
+Status encode_part(const std::vector<TensorRef>& tensors, const json& rows, std::map<std::string, std::string> meta,
+                   std::string* bytes) {
+  if (!rows.empty()) meta["rows"] = rows.dump();
+  return encode_safetensors(tensors, meta, bytes);
+}
 
-Status save_checkpoint(const std::string& dir, const std::vector<Param*>& params, const AdamW& opt,
-                       const json& state) {
-  check_optimizer("save_checkpoint", params, opt);
-  if (!state.is_object() && !state.is_null())
-    return Status::error("checkpoint " + dir + ": the state must be a JSON object, not " + state.type_name());
-  std::vector<TensorRef> weights, moments;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Param* p = params[i];
-    weights.push_back({p->name, p->value.shape(), p->value.data()});
-    moments.push_back({p->name + ".m", p->value.shape(), opt.m(i).data()});
-    moments.push_back({p->name + ".v", p->value.shape(), opt.v(i).data()});
-  }
-  std::map<std::string, std::string> model_meta{{"format", "moe"}};
-  std::string model_bytes, opt_bytes, state_text;
-  json st = state.is_null() ? json::object() : state;
-  try {
-    if (st.contains("config") && st["config"].is_object() && st["config"].contains("model"))
-      model_meta["model_config"] = st["config"]["model"].dump();
-  } catch (const json::exception&) {
-    return Status::error("checkpoint " + dir + ": the model config in the state is not valid UTF-8");
-  }
-  if (Status s = encode_safetensors(weights, model_meta, &model_bytes); !s)
-    return Status::error("checkpoint " + dir + ": " + s.message());
-  if (Status s = encode_safetensors(moments, {{"format", "moe"}, {"step", std::to_string(opt.steps())}}, &opt_bytes);
-      !s)
-    return Status::error("checkpoint " + dir + ": " + s.message());
-  st["optimizer_step"] = opt.steps();
-  st["files"] = {
-      {kModelFile, {{"bytes", model_bytes.size()}, {"fnv1a64", hex64(fnv1a64(model_bytes.data(), model_bytes.size()))}}},
-      {kOptimizerFile, {{"bytes", opt_bytes.size()}, {"fnv1a64", hex64(fnv1a64(opt_bytes.data(), opt_bytes.size()))}}}};
-  try {
-    state_text = st.dump(2) + "\n";
-  } catch (const json::exception&) {
-    return Status::error("checkpoint " + dir + ": the state holds a string that is not valid UTF-8");
-  }
-
-  const fs::path final_dir = folder_path(dir);
-  const fs::path tmp = final_dir.string() + ".tmp-" + std::to_string(::getpid());
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp, ec);
-  if (ec) return Status::error("checkpoint: cannot create " + tmp.string() + ": " + ec.message());
-  Status s = write_file_atomic((tmp / kModelFile).string(), model_bytes);
-  if (s) s = write_file_atomic((tmp / kOptimizerFile).string(), opt_bytes);
-  if (s) s = write_file_atomic((tmp / kStateFile).string(), state_text);
-  if (s) {
-    fsync_dir(tmp);
-    s = install(tmp, final_dir);
-  }
-  if (!s) {
-    fs::remove_all(tmp, ec);
-    return Status::error(s.message().rfind("checkpoint", 0) == 0 ? s.message() : "checkpoint: " + s.message());
+// Joins the parts' tensors: a name without "rows" metadata must come from one file only; with it,
+// the pieces must cover rows [0, full_rows) exactly once and agree in their other dimensions.
+struct Piece {
+  int64_t first = 0, full_rows = 0;
+  LoadedTensor t;
+};
+Status join_parts(const std::string& what, std::map<std::string, std::vector<Piece>>& pieces,
+                  std::map<std::string, LoadedTensor>* out) {
+  for (auto& [name, list] : pieces) {
+    if (list.size() == 1 && list[0].full_rows == 0) {
+      (*out)[name] = std::move(list[0].t);
+      continue;
+    }
+    std::sort(list.begin(), list.end(), [](const Piece& a, const Piece& b) { return a.first < b.first; });
+    int64_t next = 0;
+    std::vector<int64_t> shape;
+    for (const Piece& p : list) {
+      if (p.full_rows == 0 || p.t.shape.empty())
+        return Status::error(what + ": tensor " + name + " is stored whole in one part and in pieces in another");
+      std::vector<int64_t> rest(p.t.shape.begin() + 1, p.t.shape.end());
+      if (shape.empty()) {
+        shape = p.t.shape;
+        shape[0] = p.full_rows;
+      }
+      if (p.first != next || p.full_rows != shape[0] || rest != std::vector<int64_t>(shape.begin() + 1, shape.end()))
+        return Status::error(what + ": the parts of tensor " + name + " do not cover its " +
+                             std::to_string(shape[0]) + " rows exactly once (a part starts at row " +
+                             std::to_string(p.first) + ", expected " + std::to_string(next) + ")");
+      next += p.t.shape[0];
+    }
+    if (next != shape[0])
+      return Status::error(what + ": the parts of tensor " + name + " hold " + std::to_string(next) + " of its " +
+                           std::to_string(shape[0]) + " rows");
+    LoadedTensor whole;
+    whole.shape = shape;
+    for (const Piece& p : list) whole.data.insert(whole.data.end(), p.t.data.begin(), p.t.data.end());
+    (*out)[name] = std::move(whole);
   }
   return Status::ok();
 }
 
-Status load_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW* opt, json* state) {
-  if (opt) check_optimizer("load_checkpoint", params, *opt);
+// Reads, verifies (size, checksum from state.json) and joins every `kind` file of the checkpoint.
+Status read_kind(const std::string& dir, const json& st, const char* kind, std::map<std::string, LoadedTensor>* out,
+                 std::map<std::string, std::string>* first_meta) {
   const std::string what = "checkpoint " + dir;
-  if (!fs::is_directory(dir)) return Status::error(what + ": no such directory");
-  std::string state_text;
-  if (Status s = read_file((fs::path(dir) / kStateFile).string(), &state_text); !s)
-    return Status::error(what + ": " + s.message());
-  json st;
-  try {
-    st = json::parse(state_text);
-  } catch (const json::exception&) {
-    return Status::error(what + ": state.json is not valid JSON");
+  int n_parts = 1;
+  if (st.contains("parts")) {
+    if (!st["parts"].is_number_integer() || st["parts"].get<int64_t>() < 1 || st["parts"].get<int64_t>() > 1 << 20)
+      return Status::error(what + ": state.json has an invalid parts count");
+    n_parts = st["parts"].get<int>();
   }
-  if (!st.is_object()) return Status::error(what + ": state.json is not a JSON object");
-  std::map<std::string, LoadedTensor> weights, moments;
-  std::map<std::string, std::string> opt_meta;
-  for (const char* file : {kModelFile, kOptimizerFile}) {
-    const bool is_model = file == std::string(kModelFile);
-    if (!is_model && !opt) break;  // weights only
+  std::map<std::string, std::vector<Piece>> pieces;
+  for (int p = 0; p < n_parts; ++p) {
+    const std::string file = part_file(kind, p, n_parts);
     std::string bytes;
-    const std::string path = (fs::path(dir) / file).string();
-    if (Status s = read_file(path, &bytes); !s) return Status::error(what + ": " + s.message());
+    if (Status s = read_file((fs::path(dir) / file).string(), &bytes); !s) return Status::error(what + ": " + s.message());
     size_t want_bytes = 0;
     std::string want_sum;
     try {
@@ -240,11 +250,183 @@ Status load_checkpoint(const std::string& dir, const std::vector<Param*>& params
     if (sum != want_sum)
       return Status::error(what + ": " + file + " fails its checksum (FNV-1a 64 " + sum + ", state.json says " +
                            want_sum + "): corrupted");
-    if (Status s = decode_safetensors(bytes, what + "/" + file, is_model ? &weights : &moments,
-                                      is_model ? nullptr : &opt_meta);
-        !s)
-      return s;
+    std::map<std::string, LoadedTensor> tensors;
+    std::map<std::string, std::string> meta;
+    if (Status s = decode_safetensors(bytes, what + "/" + file, &tensors, &meta); !s) return s;
+    json rows = json::object();
+    if (meta.count("rows")) {
+      rows = json::parse(meta["rows"], nullptr, false);
+      if (!rows.is_object()) return Status::error(what + ": " + file + " has malformed \"rows\" metadata");
+    }
+    for (auto& [name, t] : tensors) {
+      Piece piece;
+      if (rows.contains(name)) {
+        const json& r = rows[name];
+        if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() || !r[1].is_number_integer() ||
+            t.shape.empty() || r[0].get<int64_t>() < 0 || r[1].get<int64_t>() < 1)
+          return Status::error(what + ": " + file + " has malformed \"rows\" for tensor " + name);
+        piece.first = r[0].get<int64_t>();
+        piece.full_rows = r[1].get<int64_t>();
+      }
+      piece.t = std::move(t);
+      auto& list = pieces[name];
+      if (!list.empty() && (piece.full_rows == 0 || list[0].full_rows == 0))
+        return Status::error(what + ": tensor " + name + " appears in more than one part");
+      list.push_back(std::move(piece));
+    }
+    if (p == 0 && first_meta) *first_meta = std::move(meta);
   }
+  return join_parts(what, pieces, out);
+}
+
+Status state_from(const std::string& dir, json* st) {
+  const std::string what = "checkpoint " + dir;
+  if (!fs::is_directory(dir)) return Status::error(what + ": no such directory");
+  std::string state_text;
+  if (Status s = read_file((fs::path(dir) / kStateFile).string(), &state_text); !s)
+    return Status::error(what + ": " + s.message());
+  try {
+    *st = json::parse(state_text);
+  } catch (const json::exception&) {
+    return Status::error(what + ": state.json is not valid JSON");
+  }
+  if (!st->is_object()) return Status::error(what + ": state.json is not a JSON object");
+  return Status::ok();
+}
+
+std::string model_config_text(const json& state) {
+  if (state.is_object() && state.contains("config") && state["config"].is_object() &&
+      state["config"].contains("model"))
+    return state["config"]["model"].dump(-1, ' ', false, json::error_handler_t::replace);
+  return "";
+}
+
+}  // namespace
+
+std::string checkpoint_staging_dir(const std::string& dir, int64_t id) {
+  return folder_path(dir).string() + ".tmp-" + std::to_string(id);
+}
+
+Status begin_checkpoint(const std::string& dir, const std::string& staging) {
+  const fs::path final_dir = folder_path(dir);
+  std::error_code ec;
+  // Refuse early (nothing written yet) what finish_checkpoint would refuse to replace.
+  if (fs::exists(fs::symlink_status(final_dir, ec)))
+    if (Status s = replaceable(final_dir); !s) return s;
+  fs::remove_all(staging, ec);
+  fs::create_directories(staging, ec);
+  if (ec) return Status::error("checkpoint: cannot create " + staging + ": " + ec.message());
+  return Status::ok();
+}
+
+Status write_checkpoint_part(const std::string& staging, int part, int n_parts, const AdamW& opt, bool with_replicated,
+                             const json& state) {
+  if (part < 0 || part >= n_parts) throw std::logic_error("write_checkpoint_part: REQUIRES 0 <= part < n_parts");
+  std::vector<TensorRef> weights, moments;
+  json rows = json::object(), moment_rows = json::object();
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    const Param* p = opt.params()[i];
+    if (!p->sharded() && !with_replicated) continue;
+    weights.push_back({p->name, p->value.shape(), p->value.data()});
+    moments.push_back({p->name + ".m", p->value.shape(), opt.m(i).data()});
+    moments.push_back({p->name + ".v", p->value.shape(), opt.v(i).data()});
+    if (p->sharded()) {
+      rows[p->name] = {p->shard_begin, p->full_dim0};
+      moment_rows[p->name + ".m"] = {p->shard_begin, p->full_dim0};
+      moment_rows[p->name + ".v"] = {p->shard_begin, p->full_dim0};
+    }
+  }
+  std::map<std::string, std::string> model_meta{{"format", "moe"}};
+  if (std::string cfg = model_config_text(state); !cfg.empty()) model_meta["model_config"] = cfg;
+  std::string model_bytes, opt_bytes;
+  if (Status s = encode_part(weights, rows, model_meta, &model_bytes); !s)
+    return Status::error("checkpoint " + staging + ": " + s.message());
+  if (Status s = encode_part(moments, moment_rows, {{"format", "moe"}, {"step", std::to_string(opt.steps())}},
+                             &opt_bytes);
+      !s)
+    return Status::error("checkpoint " + staging + ": " + s.message());
+  Status s = write_file_atomic((fs::path(staging) / part_file("model", part, n_parts)).string(), model_bytes);
+  if (s) s = write_file_atomic((fs::path(staging) / part_file("optimizer", part, n_parts)).string(), opt_bytes);
+  if (!s) return Status::error(s.message().rfind("checkpoint", 0) == 0 ? s.message() : "checkpoint: " + s.message());
+  return Status::ok();
+}
+
+Status finish_checkpoint(const std::string& dir, const std::string& staging, int n_parts, const AdamW& opt,
+                         const json& state) {
+  if (!state.is_object() && !state.is_null())
+    return Status::error("checkpoint " + dir + ": the state must be a JSON object, not " + state.type_name());
+  json st = state.is_null() ? json::object() : state;
+  st["optimizer_step"] = opt.steps();
+  st["parts"] = n_parts;
+  st["files"] = json::object();
+  for (int p = 0; p < n_parts; ++p) {
+    for (const char* kind : {"model", "optimizer"}) {
+      const std::string file = part_file(kind, p, n_parts);
+      std::string bytes;
+      if (Status s = read_file((fs::path(staging) / file).string(), &bytes); !s)
+        return Status::error("checkpoint " + dir + ": part " + std::to_string(p) + " is missing: " + s.message());
+      st["files"][file] = {{"bytes", bytes.size()}, {"fnv1a64", hex64(fnv1a64(bytes.data(), bytes.size()))}};
+    }
+  }
+  std::string state_text;
+  try {
+    state_text = st.dump(2) + "\n";
+  } catch (const json::exception&) {
+    return Status::error("checkpoint " + dir + ": the state holds a string that is not valid UTF-8");
+  }
+  Status s = write_file_atomic((fs::path(staging) / kStateFile).string(), state_text);
+  if (s) {
+    fsync_dir(staging);
+    s = install(staging, folder_path(dir));
+  }
+  if (!s) return Status::error(s.message().rfind("checkpoint", 0) == 0 ? s.message() : "checkpoint: " + s.message());
+  return Status::ok();
+}
+
+void abandon_checkpoint(const std::string& staging) {
+  std::error_code ec;
+  fs::remove_all(staging, ec);
+}
+
+Status save_checkpoint(const std::string& dir, const std::vector<Param*>& params, const AdamW& opt,
+                       const json& state) {
+  check_optimizer("save_checkpoint", params, opt);
+  if (!state.is_object() && !state.is_null())
+    return Status::error("checkpoint " + dir + ": the state must be a JSON object, not " + state.type_name());
+  for (const Param* p : params)
+    if (p->sharded()) throw std::logic_error("save_checkpoint: " + p->name + " is sharded; write parts instead");
+  try {
+    (void)json(state).dump();
+  } catch (const json::exception&) {
+    return Status::error("checkpoint " + dir + ": the state holds a string that is not valid UTF-8");
+  }
+  const std::string staging = checkpoint_staging_dir(dir, ::getpid());
+  Status s = begin_checkpoint(dir, staging);
+  if (s) s = write_checkpoint_part(staging, 0, 1, opt, true, state);
+  if (s) s = finish_checkpoint(dir, staging, 1, opt, state);
+  if (!s) abandon_checkpoint(staging);
+  return s;
+}
+
+Status read_checkpoint_weights(const std::string& dir, std::map<std::string, LoadedTensor>* weights) {
+  json st;
+  if (Status s = state_from(dir, &st); !s) return s;
+  std::map<std::string, LoadedTensor> w;
+  if (Status s = read_kind(dir, st, "model", &w, nullptr); !s) return s;
+  *weights = std::move(w);
+  return Status::ok();
+}
+
+Status load_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW* opt, json* state) {
+  if (opt) check_optimizer("load_checkpoint", params, *opt);
+  const std::string what = "checkpoint " + dir;
+  json st;
+  if (Status s = state_from(dir, &st); !s) return s;
+  std::map<std::string, LoadedTensor> weights, moments;
+  std::map<std::string, std::string> opt_meta;
+  if (Status s = read_kind(dir, st, "model", &weights, nullptr); !s) return s;
+  if (opt)
+    if (Status s = read_kind(dir, st, "optimizer", &moments, &opt_meta); !s) return s;
   std::vector<std::pair<std::string, Tensor*>> want_w, want_m;
   for (size_t i = 0; i < params.size(); ++i) {
     want_w.emplace_back(params[i]->name, &params[i]->value);

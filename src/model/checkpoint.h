@@ -5,20 +5,31 @@
 //                                config.model, "model_config": that object as JSON text
 //   <dir>/optimizer.safetensors  AdamW moments as "<name>.m" and "<name>.v"; metadata "step"
 //   <dir>/state.json             the caller's state (step, config, data position, ...) plus
-//                                "optimizer_step" and "files": {file: {"bytes", "fnv1a64"}}
+//                                "optimizer_step", "parts" and "files": {file: {"bytes", "fnv1a64"}}
 //                                (FNV-1a 64 of the file's bytes, 16 hex digits)
-// Written into <dir>.tmp-<pid>, every file fsynced, then moved into place: an older checkpoint at
+// Written into <dir>.tmp-<id>, every file fsynced, then moved into place: an older checkpoint at
 // <dir> is swapped out in one atomic rename (renameat2 RENAME_EXCHANGE; where the file system
 // lacks it, moved aside first) and deleted after. So a crash leaves the old checkpoint or the new
-// one, never a mix; a leftover <dir>.tmp-<pid> or <dir>.old-<pid> is garbage from a crash.
+// one, never a mix; a leftover <dir>.tmp-<id> or <dir>.old-<pid> is garbage from a crash.
+//
+// Written by several ranks (each owning some rows of the expert tensors, Param::sharded), a
+// checkpoint has n > 1 parts instead of the two files above: part p is
+//   <dir>/model-<p>-of-<n>.safetensors, <dir>/optimizer-<p>-of-<n>.safetensors
+// written by the rank that owns it. Part 0 also holds every replicated parameter. A sharded tensor's
+// rows [first, first + rows) are stored under its own name, and the file's metadata "rows" is a JSON
+// object {name: [first, full_rows]} for them: the parts' rows in part order, joined along the first
+// dimension (torch.cat(..., 0)), are the whole tensor. load_checkpoint joins them, so a checkpoint
+// loads whatever the rank count that wrote it.
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "model/optimizer.h"
+#include "model/safetensors.h"
 #include "tensor/tensor.h"
 #include "util/status.h"
 
@@ -40,5 +51,26 @@ Status save_checkpoint(const std::string& dir, const std::vector<Param*>& params
 //   "checkpoint ck: tensor blocks.0.moe.w1 has shape [4,32,16], the model expects [8,32,16]".
 // REQUIRES: opt, if not null, was built over params (same order); else throws std::logic_error.
 Status load_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW* opt, nlohmann::json* state);
+
+// The whole weights of a checkpoint (parts joined), checked like load_checkpoint's (sizes,
+// checksums, parts covering every row once); errors name the file or tensor.
+Status read_checkpoint_weights(const std::string& dir, std::map<std::string, LoadedTensor>* weights);
+
+// ---- A checkpoint written by several ranks (the protocol save_checkpoint runs alone) ----
+// 1. The lead rank calls begin_checkpoint: a fresh, empty staging folder (on a file system every
+//    writing rank sees) named by checkpoint_staging_dir(dir, id), id being the same on every rank.
+// 2. Each writing rank p of n calls write_checkpoint_part: its rows of every sharded parameter of
+//    opt, with their moments, and (with_replicated, part 0) every other parameter too.
+// 3. Once every part succeeded, the lead calls finish_checkpoint: reads the parts back for their
+//    sizes and checksums, writes state.json, moves the folder into place (replacing an older one as
+//    save_checkpoint does). If any part failed, the lead calls abandon_checkpoint instead.
+// Errors name the folder or file; nothing at dir changes before finish_checkpoint succeeds.
+std::string checkpoint_staging_dir(const std::string& dir, int64_t id);
+Status begin_checkpoint(const std::string& dir, const std::string& staging);
+Status write_checkpoint_part(const std::string& staging, int part, int n_parts, const AdamW& opt, bool with_replicated,
+                             const nlohmann::json& state);
+Status finish_checkpoint(const std::string& dir, const std::string& staging, int n_parts, const AdamW& opt,
+                         const nlohmann::json& state);
+void abandon_checkpoint(const std::string& staging);
 
 }  // namespace moe

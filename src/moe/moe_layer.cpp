@@ -145,9 +145,10 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
   batch_ = batch;
   const int64_t El = E / P, rows = P * max_tokens_ * K;  // at most every group rank's every assignment
   // Keep only my experts' weights: rows [e0, e0 + El) of w1, w2, w3 (their gradients restart at 0).
+  // A group of one rank keeps them all: nothing is sharded.
   const int64_t e0 = ep->rank() * El;
   for (Param* p : {&w1_, &w2_, &w3_}) {
-    if (p->value.numel() == 0) continue;  // w3 without SwiGLU
+    if (p->value.numel() == 0 || P == 1) continue;  // w3 without SwiGLU
     std::vector<int64_t> shape = p->value.shape();
     const int64_t per_expert = static_cast<int64_t>(p->value.numel()) / shape[0];
     Tensor mine(std::vector<int64_t>{El, shape[1], shape[2]});

@@ -90,8 +90,8 @@ class MoeLayer {
   // Aux and z losses, f_e, P_e and capacity dropping are those of the global batch (the same numbers
   // on every rank), so the mathematics is that of one process running the whole batch (DESIGN
   // invariant 1).
-  // Parameters: w1, w2, w3 keep only this rank's experts (Param::sharded, rows [rank*E/P, ...) of
-  // the full tensors, sliced from the current values); the router stays whole (replicated).
+  // Parameters: with P > 1, w1, w2, w3 keep only this rank's experts (Param::sharded, rows
+  // [rank*E/P, ...) of the full tensors, sliced from the current values); the router stays whole.
   // Gradients: the router's is this rank's share (sum over batch ranks); an expert's is this
   // replica's share (sum over replicas; complete when there is one replica).
   // Collective failures throw std::runtime_error naming the rank and operation.

@@ -4,6 +4,8 @@
 #include <memory>
 #include <vector>
 
+#include <unistd.h>
+
 #include "model/checkpoint.h"
 
 namespace moe::runtime {
@@ -34,29 +36,34 @@ int64_t row_size(const Tensor& t) { return t.dim(0) ? static_cast<int64_t>(t.num
 
 }  // namespace
 
-Status save_sharded_checkpoint(const std::string& dir, const AdamW& opt, comm::Communicator* ep, bool write,
+Status save_sharded_checkpoint(const std::string& dir, const AdamW& opt, comm::Communicator* ep, bool writes,
                                const nlohmann::json& state) {
+  if (!writes) return Status::ok();
   bool any_sharded = false;
   for (const Param* p : opt.params()) any_sharded |= p->sharded();
-  if (!any_sharded || !ep || ep->size() == 1)
-    return write ? save_checkpoint(dir, opt.params(), opt, state) : Status::ok();
-  FullModel full = make_full(opt);
-  for (size_t i = 0; i < opt.params().size(); ++i) {
-    const Param* p = opt.params()[i];
-    const Tensor* mine[3] = {&p->value, &opt.m(i), &opt.v(i)};
-    Tensor* whole[3] = {&full.params[i]->value, &full.opt->m(i), &full.opt->v(i)};
-    for (int k = 0; k < 3; ++k) {
-      if (!p->sharded()) {
-        std::copy(mine[k]->data(), mine[k]->data() + mine[k]->numel(), whole[k]->data());
-        continue;
-      }
-      // Shards are equal and in rank order: rank r holds rows [r*rows, (r+1)*rows).
-      if (Status s = ep->allgather(mine[k]->data(), static_cast<int64_t>(mine[k]->numel()), whole[k]->data()); !s)
-        return s;
-    }
+  if (!any_sharded || !ep || ep->size() == 1) return save_checkpoint(dir, opt.params(), opt, state);
+  const bool lead = ep->rank() == 0;
+  // The lead names and creates the staging folder; the parts go into it.
+  int64_t id = lead ? static_cast<int64_t>(::getpid()) : 0, ok = 1;
+  Status mine = lead ? begin_checkpoint(dir, checkpoint_staging_dir(dir, id)) : Status::ok();
+  int64_t header[2] = {id, mine ? 1 : 0};
+  if (Status s = ep->broadcast(header, 2, 0); !s) return s;
+  if (!header[1]) return lead ? mine : Status::error("checkpoint: rank 0 could not start writing " + dir);
+  const std::string staging = checkpoint_staging_dir(dir, header[0]);
+  mine = write_checkpoint_part(staging, ep->rank(), ep->size(), opt, lead, state);
+  ok = mine ? 1 : 0;
+  if (Status s = ep->allreduce(&ok, 1, comm::ReduceOp::min); !s) return s;
+  Status done;
+  if (lead) {
+    done = ok ? finish_checkpoint(dir, staging, ep->size(), opt, state) : Status::error("");
+    if (!done) abandon_checkpoint(staging);
   }
-  full.opt->set_steps(opt.steps());
-  return write ? save_checkpoint(dir, full.params, *full.opt, state) : Status::ok();
+  int64_t finished = lead ? (done ? 1 : 0) : 0;
+  if (Status s = ep->broadcast(&finished, 1, 0); !s) return s;
+  if (finished) return Status::ok();
+  if (!mine) return mine;
+  if (lead && ok) return done;
+  return Status::error("checkpoint: another rank could not write its part of " + dir);
 }
 
 Status load_sharded_checkpoint(const std::string& dir, AdamW* opt, nlohmann::json* state) {

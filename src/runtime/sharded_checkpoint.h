@@ -13,15 +13,19 @@
 
 namespace moe::runtime {
 
-// Gathers every sharded parameter and its moments over `ep` (the ranks that together hold one copy
-// of every shard; null or one rank: nothing is sharded) and, on the rank where `write` is true,
-// saves the whole model with save_checkpoint (model/checkpoint.h). Collective over ep: every rank of
-// it calls, whether it writes or not. Returns the writer's save status there, ok elsewhere.
-Status save_sharded_checkpoint(const std::string& dir, const AdamW& opt, comm::Communicator* ep, bool write,
+// Writes a checkpoint of the whole model with the parts written by the ranks that own them
+// (model/checkpoint.h, "Written by several ranks"): rank p of the expert-parallel group `ep` writes
+// part p (its experts' rows, their moments, and on p = 0 every replicated parameter); ep rank 0
+// finishes the checkpoint once every part is on disk, so it is complete or absent. Only the group
+// that holds world rank 0 writes (`writes`); the other groups hold copies and return ok at once.
+// Collective over ep in the writing group. Every rank of the group gets the same Status. Across
+// hosts, `dir` must be on a file system every writing rank sees.
+// With one rank (ep null or of size 1) or nothing sharded: save_checkpoint on the rank that writes.
+Status save_sharded_checkpoint(const std::string& dir, const AdamW& opt, comm::Communicator* ep, bool writes,
                                const nlohmann::json& state);
 
-// Loads a whole-model checkpoint (model/checkpoint.h, every check of load_checkpoint) and keeps this
-// rank's rows of each sharded parameter and of its moments. Not collective: each rank reads the
+// Loads a checkpoint written with any number of parts (model/checkpoint.h, every check of
+// load_checkpoint) and keeps this rank's rows of each sharded parameter and of its moments. Not collective: each rank reads the
 // files (across hosts they must be on a shared file system). On error nothing is modified.
 Status load_sharded_checkpoint(const std::string& dir, AdamW* opt, nlohmann::json* state);
 

@@ -290,8 +290,8 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       omp_get_max_threads(), (long long)B, (long long)T, (long long)cfg.steps);
   if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
 
-  // The expert-parallel group gathers the expert shards, the lead rank writes the whole model and
-  // tells the others whether it succeeded (all ranks then return the same Status).
+  // The ranks of rank 0's expert-parallel group each write their part of the checkpoint, rank 0
+  // finishes it and every rank learns whether it succeeded (all ranks then return the same Status).
   auto save = [&](int64_t step) -> Status {
     json state{{"step", step},
                {"data_hash", hex64(ds.content_hash())},
@@ -299,7 +299,8 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                {"identity", resume_identity(cfg)},
                {"config", cfg.to_json()},
                {"ranks", ranks.size}};
-    Status s = runtime::save_sharded_checkpoint(cfg.checkpoint_dir, opt, ranks.groups.ep.get(), ranks.lead(), state);
+    const bool writes = ranks.rank < ranks.groups.ep_size;  // the expert-parallel group of rank 0
+    Status s = runtime::save_sharded_checkpoint(cfg.checkpoint_dir, opt, ranks.groups.ep.get(), writes, state);
     int64_t failed = s ? 0 : 1;
     if (Status c = ranks.sum(&failed, 1); !c) return c;
     if (failed && s) return Status::error("checkpoint: rank 0 could not write " + cfg.checkpoint_dir);
