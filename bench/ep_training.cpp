@@ -1,12 +1,13 @@
 // moe bench ep-training: see bench.h.
 //
-// Runs `moe train` on the default corpus and model three ways, one after the other in the same run,
-// each for `steps` steps with metrics (the runtime's per-step timeline, the same spans --trace shows):
+// Runs `moe train` on the default corpus and model three ways, in rounds (--repeats, at most 3) that
+// interleave them so the machine's drifts hit all alike, each run `steps` steps with metrics (the runtime's per-step timeline, the same spans --trace shows):
 //   1 process     all of the global batch in one process, `threads` OpenMP threads (the reference)
 //   2 ranks EP    mpirun -n 2, threads/2 each: experts divided, alltoallv dispatch/combine on the
 //                 all-to-all lane, gradient allreduce in micro-ops on the allreduce lane under backward
 //   2 ranks, no micro-ops  the same with whole-bucket allreduces (--allreduce-micro-kb 0)
-// Columns (medians over the steps after the first `warmup`; times are the mean over ranks of that step):
+// Columns (medians over every round's steps after its first `warmup`; times are the mean over ranks
+// of that step):
 //   step ms      wall time of forward + backward + gradient sums + optimizer
 //   tok/s        global batch tokens / step time
 //   vs 1 proc    1-process step time / this step time (> 1: faster than one process)
@@ -32,6 +33,11 @@
 namespace moe::bench {
 namespace {
 
+// Per-step samples of one configuration, pooled over rounds.
+struct Samples {
+  std::vector<double> step, compute, exposed, allreduce, hidden, imbalance;
+};
+
 struct Row {
   std::string name;
   bool ok = false;
@@ -50,9 +56,8 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, n) : "moe";
 }
 
-Row run(const std::string& name, int ranks, int threads, const std::string& extra, int steps, int warmup) {
-  Row row;
-  row.name = name;
+// One `moe train` run; appends its steps to *out. False if it failed.
+bool run(int ranks, int threads, const std::string& extra, int steps, int warmup, Samples* out) {
   const std::string metrics = std::filesystem::temp_directory_path() / ("moe_bench_ep_" + std::to_string(getpid()) +
                                                                         ".jsonl");
   std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
@@ -63,45 +68,61 @@ Row run(const std::string& name, int ranks, int threads, const std::string& extr
   int st = std::system(cmd.c_str());
   if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
     std::fprintf(stderr, "bench ep-training: '%s' failed (exit %d)\n", cmd.c_str(), WIFEXITED(st) ? WEXITSTATUS(st) : -1);
-    return row;
+    return false;
   }
-  std::vector<double> step, compute, exposed, allreduce, hidden, imbalance;
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.contains("step_ms") || j["step"].get<int>() <= warmup) continue;
-    step.push_back(j["step_ms"]);
-    compute.push_back(j["compute_ms"]);
-    exposed.push_back(j["exposed_comm_ms"]);
-    allreduce.push_back(j["allreduce_ms"]);
-    hidden.push_back(j["allreduce_hidden_ms"]);
+    out->step.push_back(j["step_ms"]);
+    out->compute.push_back(j["compute_ms"]);
+    out->exposed.push_back(j["exposed_comm_ms"]);
+    out->allreduce.push_back(j["allreduce_ms"]);
+    out->hidden.push_back(j["allreduce_hidden_ms"]);
     double worst = 1;
     for (const auto& r : j["rank_imbalance"]) worst = std::max(worst, r.get<double>());
-    imbalance.push_back(worst);
+    out->imbalance.push_back(worst);
   }
   std::filesystem::remove(metrics);
-  if (step.empty()) return row;
-  row.ok = true;
-  row.step_ms = median(step);
-  row.compute_ms = median(compute);
-  row.exposed_ms = median(exposed);
-  row.allreduce_ms = median(allreduce);
-  row.hidden_ms = median(hidden);
-  row.rank_imbalance = median(imbalance);
-  return row;
+  return true;
 }
 
 }  // namespace
 
 int ep_training(const BenchOptions& opt) {
   const int steps = 40, warmup = 5, threads = std::max(2, opt.threads);
+  const int rounds = std::clamp(opt.repeats, 1, 3);
   const int64_t tokens = 16 * 128;  // the default global batch
-  std::printf("# moe bench ep-training: default model and corpus, %d steps (medians after %d), %d cores in all\n",
-              steps, warmup, threads);
+  std::printf("# moe bench ep-training: default model and corpus, %d rounds x %d steps (medians after %d each), "
+              "%d cores in all\n",
+              rounds, steps, warmup, threads);
+  struct Config {
+    std::string name;
+    int ranks;
+    std::string extra;
+  };
+  const std::vector<Config> configs{{"1 process", 1, ""},
+                                    {"2 ranks EP", 2, ""},
+                                    {"2 ranks EP, no micro-ops", 2, "--allreduce-micro-kb 0"}};
+  std::vector<Samples> samples(configs.size());
+  std::vector<bool> ok(configs.size(), true);
+  for (int r = 0; r < rounds; ++r)
+    for (size_t c = 0; c < configs.size(); ++c)
+      if (ok[c]) ok[c] = run(configs[c].ranks, threads / configs[c].ranks, configs[c].extra, steps, warmup, &samples[c]);
   std::vector<Row> rows;
-  rows.push_back(run("1 process", 1, threads, "", steps, warmup));
-  rows.push_back(run("2 ranks EP", 2, threads / 2, "", steps, warmup));
-  rows.push_back(run("2 ranks EP, no micro-ops", 2, threads / 2, "--allreduce-micro-kb 0", steps, warmup));
+  for (size_t c = 0; c < configs.size(); ++c) {
+    Row row;
+    row.name = configs[c].name;
+    const Samples& s = samples[c];
+    row.ok = ok[c] && !s.step.empty();
+    row.step_ms = median(s.step);
+    row.compute_ms = median(s.compute);
+    row.exposed_ms = median(s.exposed);
+    row.allreduce_ms = median(s.allreduce);
+    row.hidden_ms = median(s.hidden);
+    row.rank_imbalance = median(s.imbalance);
+    rows.push_back(row);
+  }
   std::printf("%-26s %8s %8s %9s %10s %16s %13s %9s %10s\n", "run", "step ms", "tok/s", "vs 1 proc", "compute ms",
               "exposed ms (%)", "allreduce ms", "hidden %", "ranks m/m");
   const double ref = rows[0].ok ? rows[0].step_ms : 0;
