@@ -184,6 +184,49 @@ TEST_F(Distributed, ReplicatedExpertsGiveTheSameMath) {
   }
 }
 
+// Ranks started with different flags or data (mpirun's MPMD form, one command per rank) stop before
+// training with a message naming the rank and what differs.
+TEST_F(Distributed, RanksThatDisagreeStopSayingWhatDiffers) {
+  // rank0, rank1: each rank's program and arguments (with mpirun options before them)
+  auto mpmd = [&](const std::string& rank0, const std::string& rank1) {
+    std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                      "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 ";
+    std::string cmd = env + MOE_MPIEXEC + " -n 1 " + rank0 + " : -n 1 " + rank1 + " 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+    int st = pclose(p);
+    return TrainRun{WIFEXITED(st) ? WEXITSTATUS(st) : 128, out};
+  };
+  const std::string base = model_flags() + "--steps 2 ";
+  const std::string moe_train = std::string(MOE_BIN) + " train ";
+  TrainRun r = mpmd(moe_train + base + "--lr 1e-2 --experts 4", moe_train + base + "--lr 2e-2 --experts 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("rank 1 has a different configuration than rank 0: lr, model/n_experts"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+
+  // The same path holding different bytes on each "host": a relative --data path read from a
+  // different working directory by each rank (mpirun -wdir).
+  std::string text(4096, 'x');
+  for (const char* host : {"host0", "host1"}) {
+    fs::create_directories(dir_ / host);
+    std::FILE* f = std::fopen((dir_ / host / "corpus.txt").c_str(), "w");
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+    text[100] = 'y';
+  }
+  const std::string flags = std::regex_replace(base, std::regex("--data \\S+"), "--data corpus.txt");
+  r = mpmd("-wdir " + (dir_ / "host0").string() + " " + MOE_BIN + " train " + flags,
+           "-wdir " + (dir_ / "host1").string() + " " + MOE_BIN + " train " + flags);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("rank 1 read different data than rank 0 (4096 vs 4096 bytes, content hash"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+}
+
 TEST_F(Distributed, IndivisibleBatchIsRejectedOnEveryRank) {
   TrainRun r = train(4, model_flags() + "--batch-size 6 --steps 2");
   EXPECT_NE(r.exit_code, 0);
@@ -197,8 +240,9 @@ TEST_F(Distributed, IndivisibleBatchIsRejectedOnEveryRank) {
 TEST_F(Distributed, TraceOfATwoRankRunHonoursTheGraph) {
   const fs::path trace = dir_ / "trace.json", metrics = dir_ / "m.jsonl";
   TrainRun r = train(2, model_flags() + "--top-k 2 --steps 4 --trace-steps 2 --allreduce-micro-kb 1 --trace " +
-                            trace.string() + " --metrics " + metrics.string());
+                            trace.string() + " --metrics " + metrics.string() + " --ranks-per-node 1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("topology: 2 nodes x 1 rank\n"), std::string::npos) << r.output;  // --ranks-per-node
   EXPECT_NE(r.output.find("ranks max/mean"), std::string::npos) << r.output;
 
   moe::ModelConfig cfg;

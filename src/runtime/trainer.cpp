@@ -119,21 +119,45 @@ Status evaluate(Model& model, const TextDataset& ds, Ranks& ranks, int64_t B, in
   return Status::ok();
 }
 
-// Every rank must run the same configuration on the same data; says which rank differs and how.
+// Every rank must run the same configuration on the same data; says which rank differs and in what
+// (each config key is hashed apart, so the message can name the keys).
 Status check_same_everywhere(Ranks& ranks, const TrainConfig& cfg, const TextDataset& ds) {
   if (!ranks.world) return Status::ok();
-  const std::string text = cfg.to_json().dump();
-  int64_t mine[3] = {static_cast<int64_t>(fnv1a64(text.data(), text.size())),
-                     static_cast<int64_t>(ds.content_hash()), ds.total_bytes()};
-  std::vector<int64_t> all(3 * ranks.size);
-  if (Status s = ranks.world->allgather(mine, 3, all.data()); !s) return s;
+  json flat = cfg.to_json().flatten();  // {"/lr": ..., "/model/n_experts": ...}, keys sorted
+  std::vector<std::string> keys;
+  std::vector<int64_t> mine{static_cast<int64_t>(ds.content_hash()), ds.total_bytes(),
+                            static_cast<int64_t>(flat.size())};
+  for (auto& [key, value] : flat.items()) {
+    const std::string text = key + "=" + value.dump();
+    keys.push_back(key.substr(1));
+    mine.push_back(static_cast<int64_t>(fnv1a64(text.data(), text.size())));
+  }
+  // The key count first: a rank with other keys (another moe version) cannot be compared key by key.
+  const int64_t n = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> sizes(ranks.size);
+  if (Status s = ranks.world->allgather(&n, 1, sizes.data()); !s) return s;
+  for (int r = 1; r < ranks.size; ++r)
+    if (sizes[r] != sizes[0])
+      return Status::error("rank " + std::to_string(r) + " runs a different moe build than rank 0 (" +
+                           std::to_string(sizes[r] - 3) + " vs " + std::to_string(sizes[0] - 3) + " config keys)");
+  std::vector<int64_t> all(n * ranks.size);
+  if (Status s = ranks.world->allgather(mine.data(), n, all.data()); !s) return s;
   for (int r = 1; r < ranks.size; ++r) {
-    if (all[3 * r] != all[0])
-      return Status::error("rank " + std::to_string(r) + " has a different configuration than rank 0 " +
-                           "(same flags and --config file on every rank?)");
-    if (all[3 * r + 1] != all[1] || all[3 * r + 2] != all[2])
+    const int64_t* theirs = all.data() + r * n;
+    std::string differ;
+    for (int64_t k = 3; k < n; ++k) {
+      if (theirs[k] == all[k]) continue;
+      if (!differ.empty()) differ += ", ";
+      differ += keys[k - 3];
+    }
+    if (!differ.empty())
+      return Status::error("rank " + std::to_string(r) + " has a different configuration than rank 0: " +
+                           differ + " (same flags and --config file on every rank?)");
+    if (theirs[0] != all[0] || theirs[1] != all[1])
       return Status::error("rank " + std::to_string(r) + " read different data than rank 0 (" +
-                           std::to_string(all[3 * r + 2]) + " vs " + std::to_string(all[2]) + " bytes)");
+                           std::to_string(theirs[1]) + " vs " + std::to_string(all[1]) + " bytes, content hash " +
+                           hex64(static_cast<uint64_t>(theirs[0])) + " vs " + hex64(static_cast<uint64_t>(all[0])) +
+                           ")");
   }
   return Status::ok();
 }
