@@ -79,8 +79,9 @@ TEST(ModelConfig, JsonRoundTrip) {
   c.norm = "rmsnorm";
   c.dense_every_other = true;
   c.capacity_factor = 1.25;
+  c.router_skew = 0.5;
   json j = c.to_json();
-  EXPECT_EQ(j.size(), 15u);
+  EXPECT_EQ(j.size(), 16u);
   EXPECT_EQ(j["activation"], "swiglu");
   ModelConfig d;
   Status s = ModelConfig::from_json(j, &d);

@@ -158,9 +158,9 @@ std::vector<ParityCase> cases() {
     p.cfg.z_loss_weight = 0.1;
     out.push_back(p);
   }
-  {  // (d) RMSNorm + GELU, top-2 NOT renormalized, capacity 1.1 (float(1.1) * 64 / 4 = 17.6 -> 18),
+  {  // (d) RMSNorm + GELU, top-2 NOT renormalized, capacity 1.1 (float(1.1) * 64 / 4 = 17.6 -> 18), router skew,
      //     dense FFN in block 1
-    ParityCase p{"rms_gelu_top2_raw_cap1.1_dense_every_other", base(), 2, 44, true};
+    ParityCase p{"rms_gelu_top2_raw_cap1.1_dense_every_other_skew1.5", base(), 2, 44, true};
     p.cfg.d_model = 32;
     p.cfg.n_heads = 4;
     p.cfg.d_ffn = 48;
@@ -172,6 +172,7 @@ std::vector<ParityCase> cases() {
     p.cfg.capacity_factor = 1.1;
     p.cfg.aux_loss_weight = 0.1;
     p.cfg.z_loss_weight = 0.05;
+    p.cfg.router_skew = 1.5;  // --router-skew: the fixed Zipf bias on the logits
     out.push_back(p);
   }
   return out;

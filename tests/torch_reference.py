@@ -96,6 +96,7 @@ class Config:
         self.capacity_factor = f32(j["capacity_factor"])
         self.aux_w = f32(j["aux_loss_weight"])
         self.z_w = f32(j["z_loss_weight"])
+        self.skew = float(j.get("router_skew", 0.0))
 
     def is_moe(self, l):
         return not (self.dense_every_other and l % 2 == 1)
@@ -206,6 +207,10 @@ def moe_layer(cfg, P, prefix, x):
     """x [N,C] -> (y [N,C], aux, z, routing record)."""
     N, E, K = x.shape[0], cfg.E, cfg.K
     logits = F.linear(x, P[prefix + "router.weight"])  # [N,E]
+    if cfg.skew > 0:  # ModelConfig::router_skew: expert (l + j) mod E gets -s * ln(1 + j), as float32
+        l = int(prefix.split(".")[1])
+        rank = torch.tensor([(e - l) % E for e in range(E)], dtype=torch.float64)
+        logits = logits + (-cfg.skew * torch.log1p(rank)).to(torch.float32).to(DTYPE)
     probs = logits.softmax(-1)
     idx, kept, rec = route(cfg, probs)
     p = probs.gather(1, idx)  # [N,K], differentiable

@@ -119,6 +119,8 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_model_flag(c, f, "--norm", &ModelConfig::norm, "layernorm | rmsnorm");
   bind_model_flag(c, f, "--capacity-factor", &ModelConfig::capacity_factor, "expert capacity factor (0: dropless)");
   bind_model_flag(c, f, "--aux-loss-weight", &ModelConfig::aux_loss_weight, "load-balancing loss weight");
+  bind_model_flag(c, f, "--router-skew", &ModelConfig::router_skew,
+                  "fixed Zipf-shaped router bias s (0: none): reproducible expert imbalance");
   bind_model_flag(c, f, "--z-loss-weight", &ModelConfig::z_loss_weight, "router z-loss weight");
   CLI::Option* dense = c->add_flag("--dense-every-other", f->cfg.model.dense_every_other,
                                    "odd blocks use a dense FFN instead of MoE");

@@ -61,6 +61,7 @@ const Field kFields[] = {
     {"capacity_factor", &ModelConfig::capacity_factor},
     {"aux_loss_weight", &ModelConfig::aux_loss_weight},
     {"z_loss_weight", &ModelConfig::z_loss_weight},
+    {"router_skew", &ModelConfig::router_skew},
 };
 
 const char* type_name(const nlohmann::json& v) { return v.type_name(); }
@@ -101,10 +102,11 @@ Status ModelConfig::validate() const {
   if (!(s = nonneg_finite("capacity_factor", capacity_factor))) return s;
   if (!(s = nonneg_finite("aux_loss_weight", aux_loss_weight))) return s;
   if (!(s = nonneg_finite("z_loss_weight", z_loss_weight))) return s;
+  if (!(s = nonneg_finite("router_skew", router_skew))) return s;
   return Status::ok();
 }
 
-MoeConfig ModelConfig::moe_config() const {
+MoeConfig ModelConfig::moe_config(int64_t l) const {
   MoeConfig m;
   m.d_model = d_model;
   m.d_ffn = d_ffn;
@@ -115,6 +117,13 @@ MoeConfig ModelConfig::moe_config() const {
   m.capacity_factor = static_cast<float>(capacity_factor);
   m.aux_loss_weight = static_cast<float>(aux_loss_weight);
   m.z_loss_weight = static_cast<float>(z_loss_weight);
+  if (router_skew > 0) {
+    m.router_bias.resize(n_experts);
+    for (int64_t e = 0; e < n_experts; ++e) {
+      const int64_t rank = ((e - l) % n_experts + n_experts) % n_experts;
+      m.router_bias[e] = static_cast<float>(-router_skew * std::log1p(static_cast<double>(rank)));
+    }
+  }
   return m;
 }
 

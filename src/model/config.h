@@ -30,6 +30,10 @@ struct ModelConfig {
   double capacity_factor = 0.0;   // 0 = dropless; else expert capacity ceil(cf * N * K / E)
   double aux_loss_weight = 0.01;  // load-balancing loss weight (Switch)
   double z_loss_weight = 0.001;   // router z-loss weight (ST-MoE)
+  // Router skew s >= 0: a fixed Zipf-shaped bias on the router logits, -s * ln(1 + rank) where rank is
+  // the expert's place in block l's popularity order (expert (l + j) mod E has rank j), so expert
+  // (l mod E) draws the most tokens. 0 = none. Reproducible imbalance, the same for every strategy.
+  double router_skew = 0.0;
 
   // Checks every field and the combinations (d_model % n_heads, top_k <= n_experts, ...). The
   // message names the field and its value, e.g. "config: top_k (3) > n_experts (2)".
@@ -38,8 +42,8 @@ struct ModelConfig {
   // Whether block l uses the MoE layer (else the dense FFN).
   bool is_moe_layer(int64_t l) const { return !(dense_every_other && (l % 2 == 1)); }
   int64_t head_size() const { return d_model / n_heads; }
-  // The MoE layer configuration of every MoE block. REQUIRES: validate() ok.
-  MoeConfig moe_config() const;
+  // The MoE layer configuration of MoE block l (the router bias depends on l). REQUIRES: validate() ok.
+  MoeConfig moe_config(int64_t l = 0) const;
   Activation activation_kind() const { return activation == "swiglu" ? Activation::swiglu : Activation::gelu; }
   bool use_rmsnorm() const { return norm == "rmsnorm"; }
 

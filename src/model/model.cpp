@@ -113,7 +113,6 @@ Model::Model(const ModelConfig& cfg, int64_t max_batch) : cfg_(cfg), max_batch_(
 
   wte_ = add_param("wte.weight", {V, C}, true);
   wpe_ = add_param("wpe.weight", {T, C}, true);
-  const MoeConfig mcfg = cfg.moe_config();
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     auto b = std::make_unique<Block>();
     const std::string p = "blocks." + std::to_string(l) + ".";
@@ -125,7 +124,7 @@ Model::Model(const ModelConfig& cfg, int64_t max_batch) : cfg_(cfg), max_batch_(
     b->norm2_w = add_param(p + "norm2.weight", {C}, false);
     if (ln) b->norm2_b = add_param(p + "norm2.bias", {C}, false);
     if (cfg.is_moe_layer(l)) {
-      b->moe = std::make_unique<MoeLayer>(p + "moe.", mcfg, N);
+      b->moe = std::make_unique<MoeLayer>(p + "moe.", cfg.moe_config(l), N);
       for (Param* q : b->moe->params()) params_.push_back(q);
     } else {
       b->mlp_w1 = add_param(p + "mlp.w1", {F, C}, true);

@@ -22,6 +22,8 @@ const MoeConfig& validated(const MoeConfig& c, int64_t max_tokens) {
   if (c.top_k < 1 || c.top_k > c.n_experts)
     fail("top_k (" + std::to_string(c.top_k) + ") must be in [1, n_experts = " + std::to_string(c.n_experts) + "]");
   if (!(c.capacity_factor >= 0.0f)) fail("capacity_factor must be >= 0 (0 = dropless)");
+  if (!c.router_bias.empty() && static_cast<int64_t>(c.router_bias.size()) != c.n_experts)
+    fail("router_bias must be empty or hold n_experts values");
   if (max_tokens <= 0 || max_tokens * c.top_k > INT32_MAX) fail("max_tokens out of range");
   return c;
 }
@@ -81,7 +83,8 @@ void MoeLayer::forward(float* y, const float* x, int64_t N) {
   n_ = N;
   if (ep_) return forward_ep(y, x, N);
   // router: gate choices and weights, then the losses (f_e counts choices before dropping)
-  router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize);
+  router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize,
+                 cfg_.router_bias.empty() ? nullptr : cfg_.router_bias.data());
   RouterLosses l = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
                                        probs_.data(), routing_, N, E);
   aux_loss_ = l.aux;
@@ -199,7 +202,8 @@ void MoeLayer::ep_gate(const float* x, int64_t N) {
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k;
   x_ = x;
   n_ = N;
-  router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize);
+  router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize,
+                 cfg_.router_bias.empty() ? nullptr : cfg_.router_bias.data());
   RouterLosses local = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
                                            probs_.data(), routing_, N, E);
   std::fill(local_counts_.begin(), local_counts_.end(), 0);

@@ -7,7 +7,7 @@
 //   combine.* gather rows into expert order; scale by gate weight and scatter back to tokens
 //
 // Math (the PyTorch reference in tests/ implements exactly this):
-//   logits[N,E] = x @ router^T;  probs = softmax(logits);  (idx, p)[N,K] = top-k of probs
+//   logits[N,E] = x @ router^T (+ router_bias);  probs = softmax(logits);  (idx, p)[N,K] = top-k of probs
 //   gate weight w = p (K == 1, Switch) or p / sum_k p (K > 1 and renormalize, GShard)
 //   y[n] = sum_k w[n,k] * FFN_{idx[n,k]}(x[n])            (dropped assignments contribute 0)
 //   FFN_e(x) = w2[e] @ act(w1[e] @ x)  (GELU)  or  w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))  (SwiGLU)
@@ -44,6 +44,10 @@ struct MoeConfig {
   float capacity_factor = 0.0f;   // 0 = dropless
   float aux_loss_weight = 0.01f;
   float z_loss_weight = 0.001f;
+  // Constant added to the router logits of every token ([E], or empty for none): the router skew that
+  // makes imbalance reproducible (ModelConfig::router_skew). Part of the model, so every strategy and
+  // rank count sees the same routing.
+  std::vector<float> router_bias;
 };
 
 // Where each (token, choice) assignment went. Filled by the layout phase, read by every later phase.

@@ -10,7 +10,7 @@
 namespace moe {
 
 void router_forward(float* logits, float* probs, Routing& r, const float* x, const float* weight, int64_t N,
-                    int64_t C, int64_t E, int64_t K, bool renormalize) {
+                    int64_t C, int64_t E, int64_t K, bool renormalize, const float* bias) {
   if (K < 1 || K > E) throw std::logic_error("router_forward: REQUIRES 1 <= K <= E");
   r.N = N;
   r.K = K;
@@ -20,6 +20,8 @@ void router_forward(float* logits, float* probs, Routing& r, const float* x, con
   r.weight.resize(N * K);
   if (N == 0) return;
   linear_forward(logits, x, weight, N, C, E);
+  if (bias)
+    for (int64_t n = 0; n < N; ++n) add_inplace(logits + n * E, bias, E);
   softmax_forward(probs, logits, N, E);
   topk_forward(r.prob.data(), r.expert.data(), probs, N, E, K);
   const bool renorm = gate_renormalized(K, renormalize);

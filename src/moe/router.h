@@ -27,8 +27,11 @@ inline bool gate_renormalized(int64_t K, bool renormalize) { return K > 1 && ren
 // r.expert[n*K+k] / r.prob[n*K+k] = k-th largest prob of token n (descending; ties -> lower expert),
 // r.weight = gate weight (no dropping yet). Other Routing fields are left to the layout phase.
 // REQUIRES: 1 <= K <= E; N >= 0.
+// bias [E] (null: none) is added to every row of logits: a constant (no gradient), e.g. the router
+// skew of MoeConfig.
 void router_forward(float* logits /*[N,E]*/, float* probs /*[N,E]*/, Routing& r, const float* x /*[N,C]*/,
-                    const float* weight /*[E,C]*/, int64_t N, int64_t C, int64_t E, int64_t K, bool renormalize);
+                    const float* weight /*[E,C]*/, int64_t N, int64_t C, int64_t E, int64_t K, bool renormalize,
+                    const float* bias /*[E] or null*/ = nullptr);
 
 struct RouterLosses {
   float aux = 0;  // unweighted load-balancing loss
