@@ -29,4 +29,8 @@ int collectives(const BenchOptions& opt);
 // compute, from the runtime's timelines. Starts mpirun itself. Returns the exit code.
 int ep_training(const BenchOptions& opt);
 
+// Hecate's SparseAllGather / SparseReduceScatter next to the dense allgather / reduce_scatter, chunks
+// 64 KiB .. 16 MiB, lambda 0.125 .. 1; under mpirun (-n 2, -n 4), rank 0 prints. Returns the exit code.
+int sparse_collectives(const BenchOptions& opt);
+
 }  // namespace moe::bench
