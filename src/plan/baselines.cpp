@@ -1,0 +1,243 @@
+// Baseline planners: FasterMoE shadowing, FlexMoE replica re-planning, SmartMoE permutation.
+#include "plan/baselines.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "plan/detail.h"
+
+namespace moe::plan {
+
+using detail::add_replica;
+using detail::violated;
+
+namespace {
+
+bool positive_finite(double x) { return std::isfinite(x) && x > 0; }
+
+void require_fastermoe_model(const char* where, const FasterMoeModel& m) {
+  if (m.d_model <= 0 || !positive_finite(m.ffn_ratio) || m.bytes_per_element <= 0 || !positive_finite(m.bandwidth) ||
+      !positive_finite(m.gemm_flops))
+    violated(where, "FasterMoeModel fields must be positive and finite");
+}
+
+double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
+
+}  // namespace
+
+// ---- FasterMoE ----
+
+FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model) {
+  require_fastermoe_model("fastermoe_unit_costs", model);
+  const double H = static_cast<double>(model.d_model), s = static_cast<double>(model.bytes_per_element);
+  const double a_h2 = model.ffn_ratio * H * H;
+  FasterMoeUnitCosts u;
+  u.t_c = 4 * a_h2 / model.gemm_flops;
+  u.t_f = H * s / model.bandwidth;
+  u.t_m = 2 * a_h2 * s / model.bandwidth;
+  return u;
+}
+
+std::vector<int> fastermoe_shadowed(const std::vector<int64_t>& load, const FasterMoeModel& model) {
+  const FasterMoeUnitCosts u = fastermoe_unit_costs(model);
+  for (int64_t l : load)
+    if (l < 0) violated("fastermoe_shadowed", "negative load");
+  const int E = static_cast<int>(load.size());
+  std::vector<int> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
+
+  // Per token of the busiest remaining expert: 3 GEMM passes (forward + backward) and 4 transfers
+  // (two all-to-alls each way).
+  const double per_token = 3 * u.t_c + 4 * u.t_f;
+  std::vector<int> shadowed;
+  if (E == 0) return shadowed;
+  double previous = per_token * static_cast<double>(load[order[0]]);  // Lat_0
+  for (int k = 1; k < E; ++k) {
+    const double lat = per_token * static_cast<double>(load[order[k]]) + k * u.t_m;  // Lat_k
+    if (!(lat < previous)) break;
+    shadowed.push_back(order[k - 1]);
+    previous = lat;
+  }
+  return shadowed;
+}
+
+LayerPlacement fastermoe_plan(const LayerPlacement& sharded, const std::vector<std::vector<int64_t>>& counts,
+                              const FasterMoeModel& model) {
+  constexpr const char* kWhere = "fastermoe_plan";
+  detail::require_valid(kWhere, sharded);
+  const int R = sharded.n_ranks, E = sharded.n_experts();
+  detail::require_counts(kWhere, counts, R, E);
+  std::vector<int64_t> load(E, 0);
+  for (int w = 0; w < R; ++w)
+    for (int e = 0; e < E; ++e) load[e] += counts[w][e];  // over source ranks (FastMoE v1 summed the other axis)
+  LayerPlacement out = sharded;
+  std::vector<int> all(R);
+  std::iota(all.begin(), all.end(), 0);
+  for (int e : fastermoe_shadowed(load, model)) out.replicas[e] = all;
+  return out;
+}
+
+// ---- FlexMoE ----
+
+std::vector<double> flexmoe_rank_loads(const LayerPlacement& p, const std::vector<double>& load) {
+  detail::require_valid("flexmoe_rank_loads", p);
+  detail::require_loads("flexmoe_rank_loads", load, p.n_experts());
+  std::vector<double> rank_load(p.n_ranks, 0.0);
+  for (int e = 0; e < p.n_experts(); ++e) {
+    const double share = load[e] / static_cast<double>(p.replicas[e].size());
+    for (int r : p.replicas[e]) rank_load[r] += share;
+  }
+  return rank_load;
+}
+
+double flexmoe_balance_ratio(const LayerPlacement& p, const std::vector<double>& load) {
+  const std::vector<double> rank_load = flexmoe_rank_loads(p, load);
+  const double mean = std::accumulate(rank_load.begin(), rank_load.end(), 0.0) / p.n_ranks;
+  return mean > 0 ? max_of(rank_load) / mean : 1.0;
+}
+
+namespace {
+
+void drop_replica(LayerPlacement& p, int expert, int rank) {
+  auto& r = p.replicas[expert];
+  r.erase(std::find(r.begin(), r.end(), rank));
+  if (p.owner[expert] == rank) p.owner[expert] = r.front();  // the master copy passes to the lowest replica
+}
+
+}  // namespace
+
+FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double>& load, int steps_since_replan,
+                         const FlexMoeConfig& cfg) {
+  constexpr const char* kWhere = "flexmoe_plan";
+  detail::require_valid(kWhere, current);
+  const int R = current.n_ranks, E = current.n_experts();
+  detail::require_loads(kWhere, load, E);
+  if (E % R != 0) violated(kWhere, "the number of experts must be a multiple of the number of ranks");
+  if (cfg.reserved_slots < 0 || !(cfg.balance_threshold >= 1) || cfg.replan_interval < 1 ||
+      !positive_finite(cfg.expert_seconds_per_token) || cfg.expert_state_bytes <= 0 || !positive_finite(cfg.bandwidth))
+    violated(kWhere, "invalid FlexMoeConfig");
+  if (steps_since_replan < 0) violated(kWhere, "steps_since_replan must be non-negative");
+  const int slots = E / R + cfg.reserved_slots;
+  std::vector<int> held(R, 0);
+  for (int e = 0; e < E; ++e)
+    for (int r : current.replicas[e]) ++held[r];
+  for (int r = 0; r < R; ++r)
+    if (held[r] > slots) violated(kWhere, "a rank holds more experts than its slots");
+
+  FlexMoePlan plan;
+  plan.placement = current;
+  plan.balance_before = plan.balance_after = flexmoe_balance_ratio(current, load);
+  if (!(plan.balance_before > cfg.balance_threshold || steps_since_replan >= cfg.replan_interval)) return plan;
+  plan.replanned = true;
+
+  const double move_seconds = static_cast<double>(cfg.expert_state_bytes) / cfg.bandwidth;
+  LayerPlacement& p = plan.placement;
+  auto per_replica = [&](const LayerPlacement& q, int e) {
+    return load[e] / static_cast<double>(q.replicas[e].size());
+  };
+  for (;;) {
+    const std::vector<double> rank_load = flexmoe_rank_loads(p, load);
+    int hot = -1;
+    for (int e = 0; e < E; ++e) {
+      if (load[e] <= 0 || static_cast<int>(p.replicas[e].size()) == R) continue;
+      if (hot < 0 || per_replica(p, e) > per_replica(p, hot)) hot = e;
+    }
+    if (hot < 0) break;
+
+    LayerPlacement next = p;
+    std::vector<ReplicaMove> moves;
+    int target = -1;
+    for (int r = 0; r < R; ++r) {
+      if (held[r] >= slots || p.holds(r, hot)) continue;
+      if (target < 0 || rank_load[r] < rank_load[target]) target = r;
+    }
+    if (target < 0) {  // no free slot anywhere it could go: migrate a replica of the coldest expert
+      int cold = -1;
+      for (int e = 0; e < E; ++e) {
+        if (e == hot || p.replicas[e].size() < 2) continue;
+        const bool movable = std::any_of(p.replicas[e].begin(), p.replicas[e].end(),
+                                         [&](int r) { return !p.holds(r, hot); });
+        if (movable && (cold < 0 || per_replica(p, e) < per_replica(p, cold))) cold = e;
+      }
+      if (cold < 0) break;
+      for (int r : p.replicas[cold]) {
+        if (p.holds(r, hot)) continue;
+        if (target < 0 || rank_load[r] < rank_load[target]) target = r;
+      }
+      drop_replica(next, cold, target);
+      moves.push_back({ReplicaMove::Kind::shrink, cold, target, -1});
+    }
+    add_replica(next, hot, target);
+    moves.push_back({ReplicaMove::Kind::expand, hot, target, p.owner[hot]});
+
+    const double saved = (max_of(rank_load) - max_of(flexmoe_rank_loads(next, load))) * cfg.expert_seconds_per_token;
+    if (!(saved * cfg.replan_interval > move_seconds)) break;
+    if (moves.size() == 1) ++held[target];  // a migrate keeps the target's count
+    p = std::move(next);
+    plan.moves.insert(plan.moves.end(), moves.begin(), moves.end());
+  }
+  plan.balance_after = flexmoe_balance_ratio(p, load);
+  return plan;
+}
+
+// ---- SmartMoE ----
+
+std::vector<double> owner_rank_loads(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load) {
+  if (n_ranks < 1) violated("owner_rank_loads", "needs n_ranks >= 1");
+  detail::require_loads("owner_rank_loads", load, static_cast<int>(owner.size()));
+  std::vector<double> rank_load(n_ranks, 0.0);
+  for (size_t e = 0; e < owner.size(); ++e) {
+    if (owner[e] < 0 || owner[e] >= n_ranks) violated("owner_rank_loads", "owner out of range");
+    rank_load[owner[e]] += load[e];
+  }
+  return rank_load;
+}
+
+SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load,
+                           int steps_since_update, const SmartMoeConfig& cfg) {
+  constexpr const char* kWhere = "smartmoe_plan";
+  if (cfg.interval < 1 || steps_since_update < 0) violated(kWhere, "needs interval >= 1, steps_since_update >= 0");
+  const std::vector<double> before = owner_rank_loads(owner, n_ranks, load);
+  const int E = static_cast<int>(owner.size());
+  if (E % n_ranks != 0) violated(kWhere, "the number of experts must be a multiple of the number of ranks");
+  const int per_rank = E / n_ranks;
+  std::vector<int> owned(n_ranks, 0);
+  for (int r : owner) ++owned[r];
+  for (int r = 0; r < n_ranks; ++r)
+    if (owned[r] != per_rank) violated(kWhere, "every rank must own exactly E / n_ranks experts");
+
+  SmartMoePlan plan;
+  plan.owner = owner;
+  plan.max_load_before = plan.max_load_after = max_of(before);
+  if (steps_since_update < cfg.interval) return plan;
+  plan.evaluated = true;
+
+  std::vector<int> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
+  std::vector<int> next(E, -1), free(n_ranks, per_rank);
+  std::vector<double> acc(n_ranks, 0.0);
+  for (int e : order) {
+    int best = -1;
+    for (int r = 0; r < n_ranks; ++r) {
+      if (free[r] == 0) continue;
+      // Strictly lower wins; on a tie the expert's current rank wins over the lower rank found first.
+      if (best < 0 || acc[r] < acc[best] || (acc[r] == acc[best] && r == owner[e])) best = r;
+    }
+    next[e] = best;
+    --free[best];
+    acc[best] += load[e];
+  }
+  const double after = max_of(acc);
+  if (after < plan.max_load_before) {
+    plan.adopted = true;
+    plan.moves = owner_moves(owner, next);
+    plan.owner = std::move(next);
+    plan.max_load_after = after;
+  }
+  return plan;
+}
+
+}  // namespace moe::plan

@@ -1,0 +1,146 @@
+// The planners of the systems Hecate is compared with, over our own types (issue 5, "baselines"), as
+// papers/READING-GUIDE.md describes them from their public code: FasterMoE's dynamic shadowing,
+// FlexMoE's replica re-planning within reserved slots, SmartMoE's expert permutation. Like every
+// planner here they are pure and deterministic (ties: lower expert id, lower rank); the caller keeps
+// whatever state persists across steps (placements, step counters, load averages).
+//
+// What is reconstructed rather than taken from code is said at each planner.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "plan/placement.h"
+
+namespace moe::plan {
+
+// ---- FasterMoE dynamic shadowing (fmoe/fastermoe/shadow_policy.py, "global_policy") ----
+// Every MoE forward, after the gate: shadow (broadcast to every rank) the hottest experts while its
+// latency model says the busiest expert's compute and token traffic shrink by more than the broadcast
+// costs. Taken from the code: unit costs, the latency formula, the greedy stop rule, and that the
+// coldest expert is never shadowed (the loop ends one expert early). Changed, as READING-GUIDE.md
+// says: loads are summed over source ranks (FastMoE v1 sums the wrong axis).
+
+// The model's inputs (all > 0 and finite).
+struct FasterMoeModel {
+  int64_t d_model = 0;            // H
+  double ffn_ratio = 0;           // a = d_ffn / H
+  int64_t bytes_per_element = 4;  // s
+  double bandwidth = 0;           // BW, network bytes/s
+  double gemm_flops = 0;          // P, GEMM FLOP/s
+};
+
+// Seconds per unit: t_c = 4aH^2/P (forward GEMMs of one token), t_f = H*s/BW (moving one token once),
+// t_m = 2aH^2*s/BW (moving one expert's weights).
+struct FasterMoeUnitCosts {
+  double t_c = 0, t_f = 0, t_m = 0;
+};
+FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model);
+
+// The experts to shadow, hottest first. load [E]: L_e, tokens routed to e summed over source ranks.
+// With experts sorted by load L(1) >= L(2) >= ... (ties: lower id):
+//   Lat_0 = 3*t_c*L(1) + 4*t_f*L(1)
+//   Lat_k = 3*t_c*L(k+1) + 4*t_f*L(k+1) + k*t_m        for k = 1 .. E-1
+// expert (k) is shadowed while Lat_k < Lat_(k-1); the first k where it is not ends the search.
+// REQUIRES: load entries >= 0, model valid.
+std::vector<int> fastermoe_shadowed(const std::vector<int64_t>& load, const FasterMoeModel& model);
+
+// The step's placement: sharded (the owners, normally even_placement) with every shadowed expert held
+// by every rank. counts [R][E]: c[w][e], tokens rank w routes to expert e. Owners are unchanged (the
+// owner broadcasts its shadowed experts and receives their summed gradients); the copies live for
+// this step only. REQUIRES: sharded.validate() ok, counts [R][E] non-negative, model valid.
+LayerPlacement fastermoe_plan(const LayerPlacement& sharded, const std::vector<std::vector<int64_t>>& counts,
+                              const FasterMoeModel& model);
+
+// ---- FlexMoE (no public code; Hecate re-implemented it from its paper) ----
+// Reconstructed (READING-GUIDE.md): each rank has E/R + reserved_slots slots per layer; expert e has
+// r_e persistent replicas, its tokens split evenly among them; a rank's load is the sum over its
+// replicas of L_e / r_e; re-plan when the balance ratio rho = max / mean rank load exceeds a threshold
+// or every K steps. Ours: the cost model and the details of the loop (flexmoe_plan).
+//
+// Convention for owner[e] (replicas persist across steps): every replica keeps the expert's
+// parameters and a copy of its optimizer state (FlexMoE's replicas are data-parallel copies, which is
+// why an expand costs parameters + optimizer state), and owner[e] is the master copy: it stays on its
+// rank while that replica lives; when it is shrunk, the lowest remaining replica becomes the owner
+// (it already holds a full copy, so nothing moves).
+
+struct FlexMoeConfig {
+  int reserved_slots = 1;          // R: slots per rank per layer beyond E / ranks (>= 0)
+  double balance_threshold = 1.2;  // re-plan when rho exceeds it (>= 1); tuned per run (issue 5)
+  int replan_interval = 50;        // K: re-plan at least every K steps (>= 1); also the horizon
+  // Cost model (all > 0 and finite): a move is accepted when
+  //   (max rank load before - after) * expert_seconds_per_token * replan_interval
+  //       > expert_state_bytes / bandwidth          (0 for a shrink alone)
+  double expert_seconds_per_token = 0;  // one token through one expert, forward + backward
+  int64_t expert_state_bytes = 0;       // one expert's parameters + optimizer state
+  double bandwidth = 0;                 // bytes/s of the copy
+};
+
+struct ReplicaMove {
+  enum class Kind : uint8_t { expand, shrink };
+  Kind kind = Kind::expand;
+  int expert = -1;
+  int rank = -1;    // expand: the rank gaining a replica; shrink: the rank dropping one
+  int source = -1;  // expand: the owner, which sends parameters + optimizer state; shrink: -1
+  bool operator==(const ReplicaMove&) const = default;
+};
+
+struct FlexMoePlan {
+  bool replanned = false;        // the trigger fired (the moves may still be empty)
+  LayerPlacement placement;      // the new persistent placement (the current one when not replanned)
+  std::vector<ReplicaMove> moves;  // in the order to apply them; a migrate is a shrink then an expand
+  double balance_before = 1, balance_after = 1;  // rho of the current / new placement
+};
+
+// Per-rank load [R]: sum over the experts rank r holds of load[e] / r_e. REQUIRES: p.validate() ok,
+// load valid for E experts.
+std::vector<double> flexmoe_rank_loads(const LayerPlacement& p, const std::vector<double>& load);
+// rho = max / mean of flexmoe_rank_loads (1 when every load is 0).
+double flexmoe_balance_ratio(const LayerPlacement& p, const std::vector<double>& load);
+
+// One re-planning decision. current: the persistent placement (start from even_placement);
+// load [E]: moving average of L_e (e.g. LoadPredictor::predict); steps_since_replan: steps since the
+// last time this returned replanned (or since the start).
+// When rho > balance_threshold or steps_since_replan >= replan_interval, repeatedly:
+//   hot  = argmax L_e / r_e over experts with load > 0 and a replica short of every rank;
+//   expand: hot into the least-loaded rank not holding it that has a free slot; if there is none,
+//   migrate: shrink cold = argmin L_e / r_e over the other experts with r_e > 1 that have a replica
+//     on a rank not holding hot, on the least-loaded such rank, and expand hot there;
+//   keep the move if the cost model above accepts it, else stop (also when no hot or cold exists).
+// Each kept move strictly lowers the maximum rank load, so the loop ends and never raises it.
+// REQUIRES: current.validate() ok, E % ranks == 0, every rank holds at most E / ranks + reserved_slots
+// experts, load valid, steps_since_replan >= 0, config valid.
+FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double>& load, int steps_since_replan,
+                         const FlexMoeConfig& cfg);
+
+// ---- SmartMoE online placement (thu-pacman/SmartMoE-AE fmoe/smartmoe/mapping.py) ----
+// No replication: each layer's experts are a permutation over E slots, E / R per rank. Every
+// `interval` steps a greedy re-assigns them: experts by load descending, each to the rank with the
+// lowest accumulated load that has a free slot (ties keep the expert's current rank, else the lower
+// rank); the result is adopted only if its maximum rank load is strictly lower. Moved experts carry
+// parameters and optimizer state. Ours: the plan is expressed as owners (which slot of a rank an
+// expert takes is the runtime's, since slots of one rank are interchangeable for load).
+
+struct SmartMoeConfig {
+  int interval = 10;  // f: steps between evaluations (>= 1)
+};
+
+struct SmartMoePlan {
+  bool evaluated = false;  // steps_since_update >= interval: the greedy ran (restart the count)
+  bool adopted = false;    // it strictly lowered the maximum rank load: owner changed
+  std::vector<int> owner;  // [E]: the new owners when adopted, else the current ones
+  std::vector<ExpertMove> moves;  // owner_moves(current, owner)
+  double max_load_before = 0, max_load_after = 0;  // of the current owners / of the returned owners
+};
+
+// Per-rank load [R]: sum of the loads of the experts each rank owns. REQUIRES: owners in
+// [0, n_ranks), load valid for owner.size() experts.
+std::vector<double> owner_rank_loads(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load);
+
+// owner [E]: current owners, each rank exactly E / n_ranks of them; load [E]: per-expert load averaged
+// over the steps since the last update, summed over ranks. REQUIRES: that, n_ranks >= 1,
+// steps_since_update >= 0, cfg.interval >= 1.
+SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load,
+                           int steps_since_update, const SmartMoeConfig& cfg);
+
+}  // namespace moe::plan

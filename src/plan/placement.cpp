@@ -1,0 +1,138 @@
+// LayerPlacement queries and checks, EP's even placement, Hecate's topology-aware token dispatch.
+#include "plan/placement.h"
+
+#include <algorithm>
+
+#include "plan/detail.h"
+
+namespace moe::plan {
+
+using detail::violated;
+
+bool LayerPlacement::holds(int rank, int expert) const {
+  if (expert < 0 || expert >= n_experts() || expert >= static_cast<int>(replicas.size()))
+    violated("LayerPlacement::holds", "expert out of range");
+  const auto& r = replicas[expert];
+  return std::binary_search(r.begin(), r.end(), rank);
+}
+
+std::vector<int> LayerPlacement::experts_on(int rank) const {
+  if (rank < 0 || rank >= n_ranks) violated("LayerPlacement::experts_on", "rank out of range");
+  std::vector<int> out;
+  for (int e = 0; e < static_cast<int>(replicas.size()); ++e)
+    if (std::binary_search(replicas[e].begin(), replicas[e].end(), rank)) out.push_back(e);
+  return out;
+}
+
+std::vector<int> LayerPlacement::experts_owned_by(int rank) const {
+  if (rank < 0 || rank >= n_ranks) violated("LayerPlacement::experts_owned_by", "rank out of range");
+  std::vector<int> out;
+  for (int e = 0; e < n_experts(); ++e)
+    if (owner[e] == rank) out.push_back(e);
+  return out;
+}
+
+Status LayerPlacement::validate() const {
+  if (n_ranks < 1) return Status::error("placement: n_ranks must be at least 1");
+  if (replicas.size() != owner.size()) {
+    std::string m = "placement: ";
+    m += std::to_string(owner.size());
+    m += " owners but ";
+    m += std::to_string(replicas.size());
+    m += " replica lists";
+    return Status::error(m);
+  }
+  for (int e = 0; e < n_experts(); ++e) {
+    auto fail = [&](const char* what) {
+      std::string m = "placement: expert ";
+      m += std::to_string(e);
+      m += ": ";
+      m += what;
+      return Status::error(m);
+    };
+    if (owner[e] < 0 || owner[e] >= n_ranks) return fail("owner out of range");
+    const auto& r = replicas[e];
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (r[i] < 0 || r[i] >= n_ranks) return fail("replica rank out of range");
+      if (i > 0 && r[i] <= r[i - 1]) return fail("replicas not strictly ascending (unsorted or repeated)");
+    }
+    if (!std::binary_search(r.begin(), r.end(), owner[e])) return fail("replicas do not include the owner");
+  }
+  return Status::ok();
+}
+
+LayerPlacement even_placement(int n_experts, int n_ranks) {
+  if (n_ranks < 1 || n_experts < 0 || n_experts % n_ranks != 0)
+    violated("even_placement", "needs n_ranks >= 1 and n_experts a non-negative multiple of n_ranks");
+  LayerPlacement p;
+  p.n_ranks = n_ranks;
+  const int per_rank = n_experts / n_ranks;
+  for (int e = 0; e < n_experts; ++e) {
+    p.owner.push_back(e / per_rank);
+    p.replicas.push_back({e / per_rank});
+  }
+  return p;
+}
+
+int Nodes::n_nodes() const {
+  int largest = -1;
+  for (int id : node_of_rank) largest = std::max(largest, id);
+  return largest + 1;
+}
+
+std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacement& p, const Nodes& nodes,
+                                                             const std::vector<std::vector<int64_t>>& counts) {
+  constexpr const char* kWhere = "dispatch_plan";
+  detail::require_valid(kWhere, p);
+  const int R = p.n_ranks, E = p.n_experts();
+  detail::require_nodes(kWhere, nodes, R);
+  detail::require_counts(kWhere, counts, R, E);
+
+  std::vector<std::vector<std::vector<int64_t>>> rows(
+      R, std::vector<std::vector<int64_t>>(E, std::vector<int64_t>(R, 0)));
+  std::vector<int> chosen;  // reused across (s, e)
+  for (int s = 0; s < R; ++s) {
+    for (int e = 0; e < E; ++e) {
+      const int64_t count = counts[s][e];
+      if (count == 0) continue;
+      const auto& holders = p.replicas[e];
+      chosen.clear();
+      if (std::binary_search(holders.begin(), holders.end(), s)) {
+        chosen.push_back(s);
+      } else {
+        for (int d : holders)
+          if (nodes.node_of_rank[d] == nodes.node_of_rank[s]) chosen.push_back(d);
+        if (chosen.empty()) chosen = holders;
+      }
+      const int64_t n = static_cast<int64_t>(chosen.size());
+      const int64_t base = count / n, extra = count % n;
+      for (int64_t i = 0; i < n; ++i) rows[s][e][chosen[i]] = base;
+      for (int64_t i = 0; i < extra; ++i) ++rows[s][e][chosen[(s + i) % n]];
+    }
+  }
+  return rows;
+}
+
+std::vector<int64_t> received_tokens(const std::vector<std::vector<std::vector<int64_t>>>& rows) {
+  const size_t R = rows.size();
+  std::vector<int64_t> received(R, 0);
+  for (const auto& per_expert : rows) {
+    for (const auto& to : per_expert) {
+      if (to.size() != R) violated("received_tokens", "rows must be [R][E][R]");
+      for (size_t d = 0; d < R; ++d) received[d] += to[d];
+    }
+  }
+  return received;
+}
+
+std::vector<ExpertMove> owner_moves(const std::vector<int>& old_owner, const std::vector<int>& new_owner) {
+  if (old_owner.size() != new_owner.size()) violated("owner_moves", "owner vectors differ in length");
+  std::vector<ExpertMove> moves;
+  for (size_t e = 0; e < old_owner.size(); ++e) {
+    if (old_owner[e] < 0 || new_owner[e] < 0) violated("owner_moves", "negative owner");
+    if (old_owner[e] != new_owner[e]) moves.push_back({static_cast<int>(e), old_owner[e], new_owner[e]});
+  }
+  return moves;
+}
+
+}  // namespace moe::plan

@@ -1,0 +1,78 @@
+// Start here for src/plan: where experts live during a step, and how tokens find them. Planners
+// (pure functions of load statistics, topology and budgets: DESIGN.md "Plan") produce these values;
+// graph builders and the runtime consume them. Nothing here communicates or allocates per token.
+//
+// Dimension letters: R ranks (of the expert-parallel group), E experts of one MoE layer, L MoE layers.
+// Every function in src/plan is deterministic: the same inputs give the same outputs on every rank
+// (ties are broken by the lowest index), so ranks that share their statistics agree on the plan
+// without communicating it (DESIGN.md invariant 2). Violated REQUIRES throw std::logic_error.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "util/status.h"
+
+namespace moe::plan {
+
+// One MoE layer's experts during one step.
+//   owner[e]     the rank holding expert e's shard: its parameters and optimizer state (exactly one)
+//   replicas[e]  the ranks holding e's parameters this step, ascending, always including owner[e]
+//                (EP: {owner}; Hecate: the materialized placement; FasterMoE: shadowed experts on all)
+struct LayerPlacement {
+  int n_ranks = 0;
+  std::vector<int> owner;                  // [E]
+  std::vector<std::vector<int>> replicas;  // [E]
+
+  int n_experts() const { return static_cast<int>(owner.size()); }
+  // rank in replicas[expert] (false for a rank out of range). REQUIRES: expert in [0, E).
+  bool holds(int rank, int expert) const;
+  // Experts whose parameters rank holds this step / owns, ascending. REQUIRES: rank in [0, n_ranks).
+  std::vector<int> experts_on(int rank) const;
+  std::vector<int> experts_owned_by(int rank) const;
+  // n_ranks >= 1, replicas has one list per expert, every owner in [0, n_ranks), every replica list
+  // ascending, unique, in range and holding its owner. The error names the expert.
+  Status validate() const;
+};
+
+// EP's placement: expert e owned (and held only) by rank e / (E / R).
+// REQUIRES: R >= 1, E >= 0, E % R == 0.
+LayerPlacement even_placement(int n_experts, int n_ranks);
+
+// Node of each rank (comm::Topology's node_of, as plain data so planners stay free of comm).
+// Node ids are 0..n_nodes()-1 (Topology numbers them so; a planner REQUIRES ids >= 0).
+struct Nodes {
+  std::vector<int> node_of_rank;  // [R]
+  int n_nodes() const;            // 1 + the largest id (0 when there are no ranks)
+};
+
+// Token dispatch (Hecate §4.4): tokens that rank s routes to expert e go to a replica on s itself if
+// there is one, else to the replicas on s's node, else to all replicas. They are spread evenly over
+// the n chosen replicas c[0] < c[1] < ... < c[n-1]: with count = q*n + r, each gets q and the r
+// replicas c[(s + i) % n], i = 0..r-1, get one more (rotated by s so that sources spread their
+// remainders instead of all loading c[0]). Deterministic; every rank computes the same plan from the
+// same counts.
+//   counts [R][E]: tokens (assignments) rank s sends to expert e
+//   returns rows [R][E][R]: rows[s][e][d] = tokens rank s sends to rank d for expert e
+// REQUIRES: p.validate() ok, nodes has R entries (ids >= 0), counts is [R][E] and non-negative.
+std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacement& p, const Nodes& nodes,
+                                                             const std::vector<std::vector<int64_t>>& counts);
+
+// Tokens each rank computes under a dispatch plan: received[d] = sum over s, e of rows[s][e][d].
+// What the busiest-rank cost models of the planners compare. REQUIRES: rows is [R][E][R].
+std::vector<int64_t> received_tokens(const std::vector<std::vector<std::vector<int64_t>>>& rows);
+
+// An expert shard (parameters + optimizer state) that changes owner: what the runtime moves when a
+// planner re-shards (Hecate Alg. 2, SmartMoE).
+struct ExpertMove {
+  int expert = -1;
+  int from = -1;  // old owner
+  int to = -1;    // new owner
+  bool operator==(const ExpertMove&) const = default;
+};
+// The moves that turn old_owner into new_owner, ascending by expert (experts whose owner is unchanged
+// are not listed). REQUIRES: same length, every entry >= 0.
+std::vector<ExpertMove> owner_moves(const std::vector<int>& old_owner, const std::vector<int>& new_owner);
+
+}  // namespace moe::plan

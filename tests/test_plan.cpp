@@ -1,0 +1,730 @@
+// The planners of src/plan on synthetic loads (uniform, seeded Zipf, a single hot expert, zero):
+// placement checks and token dispatch, load prediction, Hecate's Alg. 1 / calibration / Alg. 2, and the
+// FasterMoE, FlexMoE and SmartMoE baselines. Exact values are worked out by hand in the comments.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "plan/baselines.h"
+#include "plan/hecate.h"
+#include "plan/load_predictor.h"
+#include "plan/placement.h"
+
+namespace moe::plan {
+namespace {
+
+using Counts = std::vector<std::vector<int64_t>>;
+
+Nodes uniform_nodes(int n_ranks, int ranks_per_node) {
+  Nodes nodes;
+  for (int r = 0; r < n_ranks; ++r) nodes.node_of_rank.push_back(r / ranks_per_node);
+  return nodes;
+}
+
+// Zipf-shaped counts [R][E]: every rank routes `tokens` tokens, expert of popularity rank i with weight
+// 1 / (i + 1)^s, the popularity order shuffled by the seed. Only raw std::mt19937 output is used (the
+// standard fixes its sequence; the distributions are implementation-defined).
+Counts zipf_counts(int R, int E, int64_t tokens, double s, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<int> expert_of(E);
+  std::iota(expert_of.begin(), expert_of.end(), 0);
+  for (int i = E - 1; i > 0; --i) std::swap(expert_of[i], expert_of[gen() % static_cast<uint32_t>(i + 1)]);
+  std::vector<double> cumulative(E);
+  double total = 0;
+  for (int i = 0; i < E; ++i) cumulative[i] = total += 1.0 / std::pow(i + 1.0, s);
+  Counts counts(R, std::vector<int64_t>(E, 0));
+  for (int r = 0; r < R; ++r) {
+    for (int64_t k = 0; k < tokens; ++k) {
+      const double u = (static_cast<double>(gen()) + 0.5) / 4294967296.0 * total;
+      const int i = static_cast<int>(std::upper_bound(cumulative.begin(), cumulative.end(), u) - cumulative.begin());
+      ++counts[r][expert_of[std::min(i, E - 1)]];
+    }
+  }
+  return counts;
+}
+
+std::vector<int64_t> column_sums(const Counts& counts) {
+  std::vector<int64_t> sums(counts.at(0).size(), 0);
+  for (const auto& row : counts)
+    for (size_t e = 0; e < row.size(); ++e) sums[e] += row[e];
+  return sums;
+}
+
+std::vector<double> as_loads(const std::vector<int64_t>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+Counts single_hot_counts(int R, int E, int hot, int64_t per_rank) {
+  Counts counts(R, std::vector<int64_t>(E, 0));
+  for (auto& row : counts) row[hot] = per_rank;
+  return counts;
+}
+
+void expect_same(const LayerPlacement& a, const LayerPlacement& b) {
+  EXPECT_EQ(a.n_ranks, b.n_ranks);
+  EXPECT_EQ(a.owner, b.owner);
+  EXPECT_EQ(a.replicas, b.replicas);
+}
+
+double max_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+// ---------------------------------------------------------------- placement
+
+TEST(Placement, EvenPlacementOwnsContiguousBlocks) {
+  const LayerPlacement p = even_placement(8, 4);
+  EXPECT_TRUE(p.validate()) << p.validate().message();
+  EXPECT_EQ(p.owner, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3}));
+  for (int e = 0; e < 8; ++e) EXPECT_EQ(p.replicas[e], std::vector<int>{e / 2});
+  EXPECT_EQ(p.experts_on(1), (std::vector<int>{2, 3}));
+  EXPECT_EQ(p.experts_owned_by(3), (std::vector<int>{6, 7}));
+  EXPECT_TRUE(p.holds(2, 5));
+  EXPECT_FALSE(p.holds(1, 5));
+  EXPECT_FALSE(p.holds(9, 5));  // a rank out of range holds nothing
+  EXPECT_THROW(p.holds(0, 8), std::logic_error);
+  EXPECT_THROW(p.experts_on(4), std::logic_error);
+  EXPECT_THROW(even_placement(6, 4), std::logic_error);
+  EXPECT_THROW(even_placement(4, 0), std::logic_error);
+  EXPECT_EQ(even_placement(0, 2).n_experts(), 0);
+}
+
+TEST(Placement, ValidateCatchesEachKindOfBadPlacement) {
+  const LayerPlacement good = even_placement(4, 2);  // owners {0, 0, 1, 1}
+  ASSERT_TRUE(good.validate());
+  auto expect_bad = [](const LayerPlacement& p, const std::string& fragment) {
+    const Status st = p.validate();
+    ASSERT_FALSE(st) << "accepted: " << fragment;
+    EXPECT_NE(st.message().find(fragment), std::string::npos) << st.message();
+  };
+  LayerPlacement p = good;
+  p.n_ranks = 0;
+  expect_bad(p, "n_ranks");
+  p = good;
+  p.replicas.pop_back();
+  expect_bad(p, "replica lists");
+  p = good;
+  p.owner[2] = 2;
+  expect_bad(p, "expert 2: owner out of range");
+  p = good;
+  p.owner[2] = -1;
+  expect_bad(p, "expert 2: owner out of range");
+  p = good;
+  p.replicas[1] = {0, 5};
+  expect_bad(p, "expert 1: replica rank out of range");
+  p = good;
+  p.replicas[3] = {1, 0};
+  expect_bad(p, "expert 3: replicas not strictly ascending");
+  p = good;
+  p.replicas[3] = {1, 1};
+  expect_bad(p, "expert 3: replicas not strictly ascending");
+  p = good;
+  p.replicas[0] = {1};
+  expect_bad(p, "expert 0: replicas do not include the owner");
+  p = good;
+  p.replicas[0] = {};
+  expect_bad(p, "expert 0: replicas do not include the owner");
+}
+
+TEST(Placement, NodesAndOwnerMoves) {
+  EXPECT_EQ(uniform_nodes(8, 2).n_nodes(), 4);
+  EXPECT_EQ(Nodes{}.n_nodes(), 0);
+  EXPECT_EQ(owner_moves({0, 0, 1, 1}, {0, 1, 1, 0}), (std::vector<ExpertMove>{{1, 0, 1}, {3, 1, 0}}));
+  EXPECT_TRUE(owner_moves({0, 1}, {0, 1}).empty());
+  EXPECT_THROW(owner_moves({0, 1}, {0}), std::logic_error);
+}
+
+// ---------------------------------------------------------------- dispatch
+
+TEST(Dispatch, KeepsTokensLocalWhenTheSourceHoldsAReplica) {
+  LayerPlacement p = even_placement(4, 4);  // expert e on rank e
+  p.replicas[0] = {0, 1, 2, 3};
+  const Counts counts = {{5, 0, 0, 0}, {7, 0, 0, 0}, {0, 0, 0, 0}, {9, 0, 0, 3}};
+  const auto rows = dispatch_plan(p, uniform_nodes(4, 2), counts);
+  EXPECT_EQ(rows[0][0], (std::vector<int64_t>{5, 0, 0, 0}));
+  EXPECT_EQ(rows[1][0], (std::vector<int64_t>{0, 7, 0, 0}));
+  EXPECT_EQ(rows[3][0], (std::vector<int64_t>{0, 0, 0, 9}));
+  EXPECT_EQ(rows[3][3], (std::vector<int64_t>{0, 0, 0, 3}));  // its own expert
+  EXPECT_EQ(received_tokens(rows), (std::vector<int64_t>{5, 7, 0, 12}));
+}
+
+TEST(Dispatch, PrefersSameNodeReplicasThenSplitsOverAll) {
+  // 2 nodes x 2 ranks. Expert 0: replicas {0, 2} (one per node); expert 1: replicas {2, 3} (node 1 only).
+  LayerPlacement p = even_placement(4, 4);
+  p.replicas[0] = {0, 2};
+  p.replicas[2] = {2, 3};
+  const Counts counts = {{0, 0, 6, 0}, {10, 0, 4, 0}, {0, 0, 0, 0}, {8, 0, 5, 0}};
+  const auto rows = dispatch_plan(p, uniform_nodes(4, 2), counts);
+  EXPECT_EQ(rows[1][0], (std::vector<int64_t>{10, 0, 0, 0}));  // node 0's replica only
+  EXPECT_EQ(rows[3][0], (std::vector<int64_t>{0, 0, 8, 0}));   // node 1's replica only
+  // Expert 2 from node 0: no replica there, so both of node 1's, 6 = 3 + 3 and 4 = 2 + 2.
+  EXPECT_EQ(rows[0][2], (std::vector<int64_t>{0, 0, 3, 3}));
+  EXPECT_EQ(rows[1][2], (std::vector<int64_t>{0, 0, 2, 2}));
+  EXPECT_EQ(rows[3][2], (std::vector<int64_t>{0, 0, 0, 5}));  // rank 3 holds a replica itself
+}
+
+TEST(Dispatch, SplitsEvenlyAndRotatesRemaindersBySource) {
+  // Every rank its own node; expert 1 on ranks {1, 2, 3}. Source 0 sends 7 = 3 * 2 + 1: the one extra
+  // token goes to chosen[(0 + 0) % 3] = rank 1. Source 4 sends 8 = 3 * 2 + 2: extras to
+  // chosen[(4 + 0) % 3] = rank 2 and chosen[(4 + 1) % 3] = rank 3.
+  LayerPlacement p = even_placement(5, 5);
+  p.replicas[1] = {1, 2, 3};
+  Counts counts(5, std::vector<int64_t>(5, 0));
+  counts[0][1] = 7;
+  counts[4][1] = 8;
+  const auto rows = dispatch_plan(p, uniform_nodes(5, 1), counts);
+  EXPECT_EQ(rows[0][1], (std::vector<int64_t>{0, 3, 2, 2, 0}));
+  EXPECT_EQ(rows[4][1], (std::vector<int64_t>{0, 2, 3, 3, 0}));
+}
+
+TEST(Dispatch, ConservesTokensOnMaterializedZipfPlacements) {
+  // Placements from Alg. 1 on Zipf loads, 8 ranks on 2 nodes: every property of dispatch_plan at once.
+  const int R = 8, E = 16;
+  const Nodes nodes = uniform_nodes(R, 4);
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    const Counts counts = zipf_counts(R, E, 400, 1.2, seed);
+    const LayerPlacement p =
+        sparse_materialize(even_placement(E, R), as_loads(column_sums(counts)), 2 + seed % 6, 1 + seed % 3, nodes);
+    const auto rows = dispatch_plan(p, nodes, counts);
+    for (int s = 0; s < R; ++s) {
+      for (int e = 0; e < E; ++e) {
+        const auto& to = rows[s][e];
+        EXPECT_EQ(std::accumulate(to.begin(), to.end(), int64_t{0}), counts[s][e]);
+        std::vector<int64_t> shares;
+        bool same_node_replica = false;
+        for (int d : p.replicas[e]) same_node_replica |= nodes.node_of_rank[d] == nodes.node_of_rank[s];
+        for (int d = 0; d < R; ++d) {
+          if (to[d] > 0) {
+            EXPECT_TRUE(p.holds(d, e)) << "seed " << seed << ": tokens to a rank without expert " << e;
+            if (same_node_replica) {
+              EXPECT_EQ(nodes.node_of_rank[d], nodes.node_of_rank[s]);
+            }
+          }
+          if (p.holds(s, e) && d != s) {
+            EXPECT_EQ(to[d], 0);
+          }
+        }
+        // Over the chosen replicas (those on the source, else its node, else all) the split is even.
+        for (int d : p.replicas[e]) {
+          const bool chosen = p.holds(s, e) ? d == s
+                                            : !same_node_replica || nodes.node_of_rank[d] == nodes.node_of_rank[s];
+          if (chosen) shares.push_back(to[d]);
+        }
+        const auto [lo, hi] = std::minmax_element(shares.begin(), shares.end());
+        EXPECT_LE(*hi - *lo, 1);
+      }
+    }
+    EXPECT_EQ(rows, dispatch_plan(p, nodes, counts));  // deterministic
+    const auto received = received_tokens(rows);
+    const auto sums = column_sums(counts);
+    EXPECT_EQ(std::accumulate(received.begin(), received.end(), int64_t{0}),
+              std::accumulate(sums.begin(), sums.end(), int64_t{0}));
+  }
+}
+
+TEST(Dispatch, RejectsBadInputs) {
+  const LayerPlacement p = even_placement(2, 2);
+  const Nodes nodes = uniform_nodes(2, 1);
+  EXPECT_THROW(dispatch_plan(p, nodes, {{1, -1}, {0, 0}}), std::logic_error);
+  EXPECT_THROW(dispatch_plan(p, nodes, {{1, 1}}), std::logic_error);
+  EXPECT_THROW(dispatch_plan(p, nodes, {{1}, {1}}), std::logic_error);
+  EXPECT_THROW(dispatch_plan(p, uniform_nodes(3, 1), {{1, 1}, {1, 1}}), std::logic_error);
+  LayerPlacement bad = p;
+  bad.replicas[0] = {1};
+  EXPECT_THROW(dispatch_plan(bad, nodes, {{1, 1}, {1, 1}}), std::logic_error);
+}
+
+// ---------------------------------------------------------------- load prediction
+
+TEST(LoadPredictor, UniformBeforeAnyStep) {
+  const LoadPredictor predictor(2, 3);
+  EXPECT_EQ(predictor.window(), 5);
+  EXPECT_EQ(predictor.steps_observed(), 0);
+  EXPECT_EQ(predictor.predict(1), (std::vector<double>{1.0, 1.0, 1.0}));
+}
+
+TEST(LoadPredictor, AveragesTheLastWindowSteps) {
+  LoadPredictor predictor(2, 3, 3);
+  predictor.observe({{3, 0, 6}, {1, 1, 1}});
+  EXPECT_EQ(predictor.predict(0), (std::vector<double>{3, 0, 6}));
+  predictor.observe({{5, 2, 0}, {1, 1, 1}});
+  EXPECT_EQ(predictor.predict(0), (std::vector<double>{4, 1, 3}));
+  predictor.observe({{7, 4, 0}, {4, 1, 1}});
+  EXPECT_EQ(predictor.predict(0), (std::vector<double>{5, 2, 2}));
+  EXPECT_EQ(predictor.predict(1), (std::vector<double>{2, 1, 1}));
+  predictor.observe({{9, 0, 0}, {7, 7, 7}});  // the first step leaves the window
+  EXPECT_EQ(predictor.predict(0), (std::vector<double>{7, 2, 0}));
+  EXPECT_EQ(predictor.predict(1), (std::vector<double>{4, 3, 3}));
+  for (int i = 0; i < 3; ++i) predictor.observe({{0, 0, 0}, {0, 0, 0}});
+  EXPECT_EQ(predictor.predict(0), (std::vector<double>{0, 0, 0}));
+  EXPECT_EQ(predictor.steps_observed(), 7);
+}
+
+TEST(LoadPredictor, RejectsBadArguments) {
+  EXPECT_THROW(LoadPredictor(0, 3), std::logic_error);
+  EXPECT_THROW(LoadPredictor(1, 3, 0), std::logic_error);
+  LoadPredictor predictor(1, 2);
+  EXPECT_THROW(predictor.observe({{1, 2, 3}}), std::logic_error);
+  EXPECT_THROW(predictor.observe({{1, -2}}), std::logic_error);
+  EXPECT_THROW(predictor.predict(1), std::logic_error);
+}
+
+// ---------------------------------------------------------------- Hecate: t, m, Alg. 1
+
+TEST(Hecate, OverlapDegreeAndMemorySlots) {
+  EXPECT_EQ(overlap_degree(0.5, 1024, 100), 5);  // floor(512 / 100)
+  EXPECT_EQ(overlap_degree(0.5, 1024, 512), 1);
+  EXPECT_EQ(overlap_degree(0, 1024, 512), 0);
+  EXPECT_EQ(overlap_degree(1e9, 1e12, 1), INT_MAX);
+  EXPECT_THROW(overlap_degree(0.5, 0, 100), std::logic_error);
+  EXPECT_THROW(overlap_degree(-1, 1, 100), std::logic_error);
+  EXPECT_THROW(overlap_degree(1, 1, 0), std::logic_error);
+  EXPECT_EQ(memory_slots(1000, 300), 3);
+  EXPECT_EQ(memory_slots(0, 300), 0);
+  EXPECT_EQ(memory_slots(int64_t{1} << 50, 1), INT_MAX);
+  EXPECT_THROW(memory_slots(-1, 300), std::logic_error);
+  EXPECT_THROW(memory_slots(10, 0), std::logic_error);
+}
+
+TEST(Hecate, Alg1SmallOverlapPutsTopTOnEveryRank) {
+  // t = 2 <= m = 3: the two hottest experts (7 and 6, both owned by rank 3) go to every rank.
+  const LayerPlacement base = even_placement(8, 4);
+  const std::vector<double> load = {10, 20, 30, 40, 50, 60, 70, 80};
+  const LayerPlacement p = sparse_materialize(base, load, 2, 3, uniform_nodes(4, 2));
+  ASSERT_TRUE(p.validate());
+  EXPECT_EQ(p.owner, base.owner);
+  for (int e = 0; e < 6; ++e) EXPECT_EQ(p.replicas[e], base.replicas[e]);
+  EXPECT_EQ(p.replicas[6], (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(p.replicas[7], (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(extra_experts(p), (std::vector<int>{2, 2, 2, 0}));
+}
+
+TEST(Hecate, Alg1LargeOverlapSharesSlotsByLoadAcrossNodesFirst) {
+  // 2 nodes x 2 ranks, expert e owned by rank e, t = 3 > m = 1: 4 slots for the top 3 experts
+  // (expert 3 has no load). Expert 0: ceil(4 * 60 / 100) = 3 replicas: first to node 1 (no holder;
+  // rank 2, the lower of two equally free ranks), then node 0 (one holder each now; equal free slots,
+  // lower id: rank 1), then rank 3. Expert 1: ceil(1 * 30 / 40) = 1: only rank 0 has a slot left.
+  // Expert 2: no slot left.
+  const LayerPlacement p =
+      sparse_materialize(even_placement(4, 4), {60, 30, 10, 0}, 3, 1, uniform_nodes(4, 2));
+  ASSERT_TRUE(p.validate());
+  EXPECT_EQ(p.owner, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(p.replicas, (std::vector<std::vector<int>>{{0, 1, 2, 3}, {0, 1}, {2}, {3}}));
+  EXPECT_EQ(extra_experts(p), (std::vector<int>{1, 1, 1, 1}));
+
+  // Equal loads, t = 4 > m = 1: one replica each (ceil(4/4), ceil(3/3), ...), always on the node
+  // that does not have the expert yet.
+  const LayerPlacement q =
+      sparse_materialize(even_placement(4, 4), {10, 10, 10, 10}, 4, 1, uniform_nodes(4, 2));
+  EXPECT_EQ(q.replicas, (std::vector<std::vector<int>>{{0, 2}, {1, 3}, {0, 2}, {1, 3}}));
+}
+
+TEST(Hecate, Alg1RespectsTheMemoryCapOnZipfLoads) {
+  const int R = 8, E = 16;
+  const Nodes nodes = uniform_nodes(R, 4);
+  const LayerPlacement base = even_placement(E, R);
+  for (uint32_t seed = 1; seed <= 10; ++seed) {
+    const std::vector<double> load = as_loads(column_sums(zipf_counts(R, E, 500, 1.0, seed)));
+    for (int t : {0, 1, 3, 6, 16, 40}) {
+      for (int m : {0, 1, 2, 5, 16}) {
+        const LayerPlacement p = sparse_materialize(base, load, t, m, nodes);
+        ASSERT_TRUE(p.validate()) << p.validate().message();
+        EXPECT_EQ(p.owner, base.owner);
+        for (int extra : extra_experts(p)) EXPECT_LE(extra, m) << "t " << t << " m " << m;
+        int materialized = 0;  // experts with more than their owner
+        for (int e = 0; e < E; ++e) materialized += p.replicas[e].size() > 1;
+        EXPECT_LE(materialized, std::min(t, E));
+        if (t <= m) {  // branch 1: the top-t experts on every rank
+          int everywhere = 0;
+          for (int e = 0; e < E; ++e) everywhere += static_cast<int>(p.replicas[e].size()) == R;
+          EXPECT_EQ(everywhere, std::min(t, E));
+        } else {  // branch 2: a slot stays empty only on a rank that holds every candidate already
+          std::vector<int> top(E);
+          std::iota(top.begin(), top.end(), 0);
+          std::stable_sort(top.begin(), top.end(), [&](int a, int b) { return load[a] > load[b]; });
+          top.resize(std::min(t, E));
+          const auto extra = extra_experts(p);
+          for (int r = 0; r < R; ++r) {
+            if (extra[r] == m) continue;
+            for (int e : top) EXPECT_TRUE(p.holds(r, e)) << "rank " << r << " left a slot free; t " << t << " m " << m;
+          }
+        }
+        expect_same(p, sparse_materialize(base, load, t, m, nodes));  // deterministic
+      }
+    }
+  }
+}
+
+TEST(Hecate, Alg1SingleHotAndZeroLoads) {
+  const LayerPlacement base = even_placement(8, 4);
+  const Nodes nodes = uniform_nodes(4, 2);
+  std::vector<double> load(8, 0.0);
+  load[5] = 1000;
+  // Only expert 5 has load: t is cut to 1 <= m, so it goes to every rank and nothing else moves.
+  LayerPlacement p = sparse_materialize(base, load, 4, 1, nodes);
+  EXPECT_EQ(p.replicas[5], (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(extra_experts(p), (std::vector<int>{1, 1, 0, 1}));
+  expect_same(sparse_materialize(base, std::vector<double>(8, 0.0), 4, 2, nodes), base);
+  expect_same(sparse_materialize(base, load, 0, 2, nodes), base);  // t = 0
+}
+
+TEST(Hecate, Alg1CountsReplicasAlreadyHeldAgainstM) {
+  LayerPlacement base = even_placement(4, 4);
+  base.replicas[1] = {0, 1};  // rank 0 already holds one extra expert
+  const Nodes nodes = uniform_nodes(4, 1);
+  // m = 1: rank 0 has no free slot left, so branch 2 (t = 1 > 0 free slots on rank 0): the 3 free slots
+  // all go to expert 3 (ceil(3 * 5 / 5)), but only ranks 1 and 2 have one and lack the expert.
+  const LayerPlacement p = sparse_materialize(base, {0, 0, 0, 5}, 1, 1, nodes);
+  EXPECT_EQ(p.replicas[3], (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(p.replicas[1], (std::vector<int>{0, 1}));
+  EXPECT_EQ(extra_experts(p), (std::vector<int>{1, 1, 1, 0}));
+  EXPECT_THROW(sparse_materialize(base, {0, 0, 0, 5}, 1, 0, nodes), std::logic_error);  // base exceeds m
+  EXPECT_THROW(sparse_materialize(base, {0, 0, 5}, 1, 1, nodes), std::logic_error);
+  EXPECT_THROW(sparse_materialize(base, {0, 0, 0, -1}, 1, 1, nodes), std::logic_error);
+  EXPECT_THROW(sparse_materialize(base, {0, 0, 0, 5}, -1, 1, nodes), std::logic_error);
+}
+
+// ---------------------------------------------------------------- Hecate: calibration
+
+TEST(Hecate, CalibrationGathersOnlyWhenItPays) {
+  // One node, 4 ranks, expert e on rank e, every rank routes 100 tokens to expert 0: rank 0 computes
+  // 400. Alg. 1 with t = m = 1 puts expert 0 everywhere: each rank computes its own 100. Saved:
+  // 300 tokens * 1 ms = 0.3 s; the gather: each of ranks 1..3 receives one expert of 1000 bytes.
+  const LayerPlacement in_force = even_placement(4, 4);
+  const Counts counts = single_hot_counts(4, 4, 0, 100);
+  const Nodes nodes = uniform_nodes(4, 4);
+  CalibrationModel model{1e-3, 1e5, 1000};  // gather: 1000 / 1e5 = 0.01 s
+  Calibration c = calibrate(in_force, counts, 1, 1, nodes, model);
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.busiest_before, 400);
+  EXPECT_EQ(c.busiest_after, 100);
+  EXPECT_EQ(c.gather_bytes, 1000);
+  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.3);
+  EXPECT_DOUBLE_EQ(c.gather_seconds, 0.01);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1, 2, 3}));
+
+  model.bandwidth = 1e3;  // gather: 1 s > 0.3 s saved
+  c = calibrate(in_force, counts, 1, 1, nodes, model);
+  EXPECT_FALSE(c.gather);
+  EXPECT_EQ(c.busiest_after, 100);
+  expect_same(c.placement, in_force);
+
+  // Remaining memory: the placement in force already fills the one slot of ranks 0..2 (expert 3 on
+  // every rank), so only rank 3 can take expert 0. Ranks 1 and 2 then split their tokens over ranks
+  // 0 and 3: 100 + 50 + 50 each.
+  LayerPlacement busy = in_force;
+  busy.replicas[3] = {0, 1, 2, 3};
+  c = calibrate(busy, counts, 1, 1, nodes, CalibrationModel{1e-3, 1e5, 1000});
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 3}));
+  EXPECT_EQ(c.busiest_before, 400);
+  EXPECT_EQ(c.busiest_after, 200);
+  EXPECT_EQ(c.gather_bytes, 1000);
+  // No memory left at all: nothing to gather however hot expert 0 is.
+  c = calibrate(in_force, counts, 1, 0, nodes, CalibrationModel{1e-3, 1e5, 1000});
+  EXPECT_FALSE(c.gather);
+  EXPECT_EQ(c.gather_bytes, 0);
+  EXPECT_EQ(c.busiest_after, 400);
+  expect_same(c.placement, in_force);
+  EXPECT_THROW(calibrate(in_force, counts, 1, 1, nodes, CalibrationModel{0, 1e5, 1000}), std::logic_error);
+}
+
+// ---------------------------------------------------------------- Hecate: Alg. 2
+
+TEST(Hecate, Alg2PlacesUnderloadedExpertsOnLeastLoadedNodesFirst) {
+  // 2 nodes x 2 ranks, one layer of 8 experts, t = 2: experts 0, 1 are overlappable; 2..7 underloaded.
+  // S = 2 slots per rank. Underloaded, by load (node loads / rank loads so far):
+  //   e2 (8): nodes tie at 0 and at 4 free -> node 0, rank 0.      e3 (7): node 1 (0 < 8), rank 2.
+  //   e4 (6): node 1 (7 < 8), rank 3 (0 < 7).                       e5 (5): node 0 (8 < 13), rank 1.
+  //   e6 (4): nodes tie at 13 and at 2 free -> node 0, rank 1 (5 < 8). e7 (3): node 1 (13 < 17), rank 3.
+  // Overlappable: e0 (100): node 1 (16 < 17), its only free rank 2; e1 (50): rank 0, the last slot.
+  const auto owners = heterogeneous_sharding({{100, 50, 8, 7, 6, 5, 4, 3}}, 2, uniform_nodes(4, 2));
+  ASSERT_EQ(owners.size(), 1u);
+  EXPECT_EQ(owners[0], (std::vector<int>{2, 0, 0, 2, 3, 1, 1, 3}));
+  EXPECT_EQ(owner_moves(even_placement(8, 4).owner, owners[0]),
+            (std::vector<ExpertMove>{{0, 0, 2}, {2, 1, 0}, {3, 1, 2}, {4, 2, 3}, {5, 2, 1}, {6, 3, 1}}));
+}
+
+TEST(Hecate, Alg2TiesGoToFewerFreeSlotsSoColdExpertsPack) {
+  // One node, 2 ranks, t = 0. Layer 0 (max load 6) first: e0 -> rank 0, e1 (0) -> rank 1 (load 0 < 6).
+  // S = 3. Layer 1, all zero loads: every choice ties on load, so the rank with fewer free slots wins
+  // and the cold experts pack: e0 -> rank 0 (2 vs 2 free, lower rank), e1 -> rank 0 (1 < 2 free),
+  // then rank 0 is full and e2, e3 go to rank 1.
+  const auto owners = heterogeneous_sharding({{6, 0}, {0, 0, 0, 0}}, 0, uniform_nodes(2, 2));
+  EXPECT_EQ(owners[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(owners[1], (std::vector<int>{0, 0, 1, 1}));
+}
+
+TEST(Hecate, Alg2KeepsSlotsEqualAcrossRanksOverAllLayers) {
+  const int R = 8, E = 16, L = 4;
+  const Nodes nodes = uniform_nodes(R, 4);
+  for (uint32_t seed = 1; seed <= 10; ++seed) {
+    std::vector<std::vector<double>> loads;
+    for (int l = 0; l < L; ++l) loads.push_back(as_loads(column_sums(zipf_counts(R, E, 300, 1.0 + 0.2 * l, seed * 7 + l))));
+    for (int t : {0, 2, 5, 16}) {
+      const auto owners = heterogeneous_sharding(loads, t, nodes);
+      ASSERT_EQ(owners.size(), static_cast<size_t>(L));
+      std::vector<int> slots(R, 0);
+      for (int l = 0; l < L; ++l) {
+        ASSERT_EQ(owners[l].size(), static_cast<size_t>(E));
+        for (int r : owners[l]) {  // every expert exactly one owner, in range
+          ASSERT_GE(r, 0);
+          ASSERT_LT(r, R);
+          ++slots[r];
+        }
+      }
+      EXPECT_EQ(slots, std::vector<int>(R, L * E / R)) << "seed " << seed << " t " << t;
+      EXPECT_EQ(owners, heterogeneous_sharding(loads, t, nodes));  // deterministic
+    }
+  }
+  // Layers of different sizes: only the total must divide.
+  const auto mixed = heterogeneous_sharding({{1, 2, 3}, {4, 5, 6, 7, 8}}, 1, uniform_nodes(4, 2));
+  std::vector<int> slots(4, 0);
+  for (const auto& layer : mixed)
+    for (int r : layer) ++slots[r];
+  EXPECT_EQ(slots, std::vector<int>(4, 2));
+  EXPECT_THROW(heterogeneous_sharding({{1, 2, 3}}, 1, uniform_nodes(2, 1)), std::logic_error);
+  EXPECT_THROW(heterogeneous_sharding({}, 1, uniform_nodes(2, 1)), std::logic_error);
+  EXPECT_THROW(heterogeneous_sharding({{1, 2}}, -1, uniform_nodes(2, 1)), std::logic_error);
+}
+
+// ---------------------------------------------------------------- FasterMoE
+
+FasterMoeModel small_model() {
+  // t_c = 4 * 2 * 16 / 128 = 1, t_f = 4 * 4 / 64 = 0.25, t_m = 2 * 2 * 16 * 4 / 64 = 4.
+  return FasterMoeModel{4, 2.0, 4, 64.0, 128.0};
+}
+
+// The shadowing loop of READING-GUIDE.md, written out again from its formulas.
+std::vector<int> expected_shadowed(const std::vector<int64_t>& load, const FasterMoeUnitCosts& u) {
+  std::vector<int> order(load.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
+  auto lat = [&](size_t k) {  // Lat_k
+    const double l = static_cast<double>(load[order[k]]);
+    return 3 * u.t_c * l + 4 * u.t_f * l + static_cast<double>(k) * u.t_m;
+  };
+  std::vector<int> out;
+  for (size_t k = 1; k < order.size() && lat(k) < lat(k - 1); ++k) out.push_back(order[k - 1]);
+  return out;
+}
+
+TEST(FasterMoe, UnitCosts) {
+  const FasterMoeUnitCosts u = fastermoe_unit_costs(small_model());
+  EXPECT_DOUBLE_EQ(u.t_c, 1.0);
+  EXPECT_DOUBLE_EQ(u.t_f, 0.25);
+  EXPECT_DOUBLE_EQ(u.t_m, 4.0);
+  FasterMoeModel bad = small_model();
+  bad.bandwidth = 0;
+  EXPECT_THROW(fastermoe_unit_costs(bad), std::logic_error);
+}
+
+TEST(FasterMoe, ShadowsNothingUnderUniformOrZeroLoad) {
+  const LayerPlacement base = even_placement(8, 4);
+  const Counts uniform(4, std::vector<int64_t>(8, 50));
+  expect_same(fastermoe_plan(base, uniform, small_model()), base);  // Lat_1 = Lat_0 + t_m
+  expect_same(fastermoe_plan(base, Counts(4, std::vector<int64_t>(8, 0)), small_model()), base);
+}
+
+TEST(FasterMoe, ShadowsTheHotExpertUnderASingleHotLoad) {
+  // 3 t_c + 4 t_f = 4 per token. Hot expert 6 with 4 * 10 tokens: Lat_0 = 160, Lat_1 = 0 + t_m = 4 < 160:
+  // shadow it; Lat_2 = 0 + 2 t_m = 8 > 4: stop.
+  const LayerPlacement base = even_placement(8, 4);
+  const Counts counts = single_hot_counts(4, 8, 6, 10);
+  const FasterMoeUnitCosts u = fastermoe_unit_costs(small_model());
+  const double lat0 = (3 * u.t_c + 4 * u.t_f) * 40, lat1 = u.t_m, lat2 = 2 * u.t_m;
+  ASSERT_LT(lat1, lat0);
+  ASSERT_GE(lat2, lat1);
+  EXPECT_EQ(fastermoe_shadowed(column_sums(counts), small_model()), std::vector<int>{6});
+  const LayerPlacement p = fastermoe_plan(base, counts, small_model());
+  EXPECT_EQ(p.owner, base.owner);
+  const std::vector<int> everywhere = {0, 1, 2, 3};
+  for (int e = 0; e < 8; ++e) EXPECT_EQ(p.replicas[e], e == 6 ? everywhere : base.replicas[e]);
+  // One token in all: Lat_0 = 4 = Lat_1, not worth a broadcast.
+  EXPECT_TRUE(fastermoe_shadowed({0, 0, 1, 0}, small_model()).empty());
+  // Sums over source ranks: two ranks with 1 token each for expert 0 make L_0 = 2, Lat_0 = 8 > 4.
+  EXPECT_EQ(fastermoe_plan(even_placement(2, 2), {{1, 0}, {1, 0}}, small_model()).replicas[0],
+            (std::vector<int>{0, 1}));
+}
+
+TEST(FasterMoe, ZipfMatchesTheLatencyFormula) {
+  const FasterMoeUnitCosts u = fastermoe_unit_costs(small_model());
+  bool some_shadowed = false;
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    const auto load = column_sums(zipf_counts(4, 16, 50 + 20 * seed, 1.4, seed));
+    const auto shadowed = fastermoe_shadowed(load, small_model());
+    EXPECT_EQ(shadowed, expected_shadowed(load, u)) << "seed " << seed;
+    EXPECT_LT(shadowed.size(), load.size());  // the coldest expert is never shadowed
+    some_shadowed |= !shadowed.empty();
+    EXPECT_EQ(shadowed, fastermoe_shadowed(load, small_model()));
+  }
+  EXPECT_TRUE(some_shadowed);
+}
+
+// ---------------------------------------------------------------- FlexMoE
+
+FlexMoeConfig flex_config() {
+  FlexMoeConfig cfg;
+  cfg.reserved_slots = 1;
+  cfg.balance_threshold = 1.2;
+  cfg.replan_interval = 50;
+  cfg.expert_seconds_per_token = 1e-3;
+  cfg.expert_state_bytes = 1000;
+  cfg.bandwidth = 1e5;  // a move costs 0.01 s
+  return cfg;
+}
+
+TEST(FlexMoe, ExpandsTheHotExpertIntoAReservedSlot) {
+  // 2 ranks x (2 + 1) slots, loads {100, 10, 10, 10}: rank loads 110 / 20, rho = 110 / 65 > 1.2.
+  // Expand expert 0 into rank 1: 60 / 70, saved 40 tokens * 1 ms * 50 steps = 2 s > 0.01 s.
+  // Next hot: expert 1 (expert 0 is on every rank); no free slot on rank 1, so migrate cold expert 0
+  // there: rank loads 105 / 25, max 105 > 70: rejected, stop.
+  const FlexMoePlan plan = flexmoe_plan(even_placement(4, 2), {100, 10, 10, 10}, 0, flex_config());
+  EXPECT_TRUE(plan.replanned);
+  EXPECT_EQ(plan.moves, (std::vector<ReplicaMove>{{ReplicaMove::Kind::expand, 0, 1, 0}}));
+  EXPECT_EQ(plan.placement.owner, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(plan.placement.replicas, (std::vector<std::vector<int>>{{0, 1}, {0}, {1}, {1}}));
+  EXPECT_EQ(flexmoe_rank_loads(plan.placement, {100, 10, 10, 10}), (std::vector<double>{60, 70}));
+  EXPECT_DOUBLE_EQ(plan.balance_before, 110.0 / 65);
+  EXPECT_DOUBLE_EQ(plan.balance_after, 70.0 / 65);
+
+  FlexMoeConfig slow = flex_config();
+  slow.bandwidth = 1e2;  // a move costs 10 s > 2 s saved
+  const FlexMoePlan rejected = flexmoe_plan(even_placement(4, 2), {100, 10, 10, 10}, 0, slow);
+  EXPECT_TRUE(rejected.replanned);
+  EXPECT_TRUE(rejected.moves.empty());
+  expect_same(rejected.placement, even_placement(4, 2));
+}
+
+TEST(FlexMoe, MigrateHandsOwnershipToTheRemainingReplica) {
+  // 2 ranks x (2 + 1) slots, both full: rank 0 holds {0 (owner), 1, 2}, rank 1 holds {0, 2 (owner), 3}.
+  // Loads {2, 1, 2, 100}: hot = 3, no free slot on rank 0: migrate cold = 0 (1 per replica, ties with
+  // 2, lower id) off rank 0, where it was the owner, so rank 1 becomes its owner; expand 3 on rank 0
+  // from its owner 1. Rank loads 3 / 102 -> 52 / 53. Next: hot = 0 (2 on one replica), migrate cold 2
+  // off rank 0: 52 / 53 again, saves nothing: stop.
+  LayerPlacement current = even_placement(4, 2);
+  current.replicas[0] = {0, 1};
+  current.replicas[2] = {0, 1};
+  const std::vector<double> load = {2, 1, 2, 100};
+  const FlexMoePlan plan = flexmoe_plan(current, load, 0, flex_config());
+  EXPECT_EQ(plan.moves, (std::vector<ReplicaMove>{{ReplicaMove::Kind::shrink, 0, 0, -1},
+                                                  {ReplicaMove::Kind::expand, 3, 0, 1}}));
+  EXPECT_EQ(plan.placement.owner, (std::vector<int>{1, 0, 1, 1}));
+  EXPECT_EQ(plan.placement.replicas, (std::vector<std::vector<int>>{{1}, {0}, {0, 1}, {0, 1}}));
+  EXPECT_EQ(flexmoe_rank_loads(plan.placement, load), (std::vector<double>{52, 53}));
+}
+
+TEST(FlexMoe, TriggersOnTheThresholdOrEveryKSteps) {
+  const std::vector<double> uniform(8, 10.0);
+  const LayerPlacement even = even_placement(8, 4);
+  FlexMoePlan plan = flexmoe_plan(even, uniform, 49, flex_config());
+  EXPECT_FALSE(plan.replanned);  // rho = 1, and not yet K steps
+  EXPECT_DOUBLE_EQ(plan.balance_before, 1.0);
+  plan = flexmoe_plan(even, uniform, 50, flex_config());
+  EXPECT_TRUE(plan.replanned);  // every K steps, but no move helps a balanced load
+  EXPECT_TRUE(plan.moves.empty());
+  expect_same(plan.placement, even);
+  EXPECT_FALSE(flexmoe_plan(even, std::vector<double>(8, 0.0), 0, flex_config()).replanned);
+  LayerPlacement overfull = even;
+  overfull.replicas[0] = {0, 1};
+  overfull.replicas[1] = {0, 1};
+  EXPECT_THROW(flexmoe_plan(overfull, uniform, 0, flex_config()), std::logic_error);  // rank 1: 4 > 3
+  EXPECT_THROW(flexmoe_plan(even, uniform, -1, flex_config()), std::logic_error);
+}
+
+TEST(FlexMoe, ReducesTheMaxRankLoadOnZipfAndNeverIncreasesIt) {
+  for (int R : {4, 8}) {
+    const int E = 16;
+    FlexMoeConfig cfg = flex_config();
+    cfg.reserved_slots = 2;
+    for (uint32_t seed = 1; seed <= 15; ++seed) {
+      const std::vector<double> load = as_loads(column_sums(zipf_counts(R, E, 500, 1.2, seed)));
+      const LayerPlacement even = even_placement(E, R);
+      const FlexMoePlan plan = flexmoe_plan(even, load, 0, cfg);
+      ASSERT_TRUE(plan.placement.validate());
+      const double before = max_of(flexmoe_rank_loads(even, load));
+      const double after = max_of(flexmoe_rank_loads(plan.placement, load));
+      EXPECT_TRUE(plan.replanned);
+      EXPECT_LT(after, before) << "R " << R << " seed " << seed;
+      for (int r = 0; r < R; ++r)
+        EXPECT_LE(static_cast<int>(plan.placement.experts_on(r).size()), E / R + cfg.reserved_slots);
+      // Replanning again from the result never makes it worse.
+      const FlexMoePlan again = flexmoe_plan(plan.placement, load, cfg.replan_interval, cfg);
+      EXPECT_LE(max_of(flexmoe_rank_loads(again.placement, load)), after);
+      const FlexMoePlan twice = flexmoe_plan(even, load, 0, cfg);  // deterministic
+      expect_same(twice.placement, plan.placement);
+      EXPECT_EQ(twice.moves, plan.moves);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- SmartMoE
+
+TEST(SmartMoe, GreedySwapAdoptedWhenTheMaxDrops) {
+  // Loads {40, 30, 20, 10}, owners {0, 0, 1, 1}: rank loads 70 / 30. Greedy: e0 -> rank 0 (tie, its
+  // current rank), e1 -> rank 1 (0 < 40), e2 -> rank 1 (30 < 40), e3 -> rank 0 (the only free slot):
+  // 50 / 50 < 70, adopted.
+  const SmartMoePlan plan = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 10, SmartMoeConfig{});
+  EXPECT_TRUE(plan.evaluated);
+  EXPECT_TRUE(plan.adopted);
+  EXPECT_EQ(plan.owner, (std::vector<int>{0, 1, 1, 0}));
+  EXPECT_EQ(plan.moves, (std::vector<ExpertMove>{{1, 0, 1}, {3, 1, 0}}));
+  EXPECT_DOUBLE_EQ(plan.max_load_before, 70);
+  EXPECT_DOUBLE_EQ(plan.max_load_after, 50);
+
+  const SmartMoePlan early = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 9, SmartMoeConfig{});
+  EXPECT_FALSE(early.evaluated);  // every f = 10 steps
+  EXPECT_EQ(early.owner, (std::vector<int>{0, 0, 1, 1}));
+}
+
+TEST(SmartMoe, KeepsThePlacementWhenTheMaxWouldNotStrictlyDrop) {
+  // Uniform: the greedy reaches 20 / 20, equal to the current maximum: not adopted.
+  const SmartMoePlan plan = smartmoe_plan({0, 0, 1, 1}, 2, {10, 10, 10, 10}, 10, SmartMoeConfig{});
+  EXPECT_TRUE(plan.evaluated);
+  EXPECT_FALSE(plan.adopted);
+  EXPECT_EQ(plan.owner, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_TRUE(plan.moves.empty());
+  EXPECT_FALSE(smartmoe_plan({0, 0, 1, 1}, 2, {0, 0, 0, 0}, 10, SmartMoeConfig{}).adopted);
+  EXPECT_THROW(smartmoe_plan({0, 0, 0, 1}, 2, {1, 1, 1, 1}, 10, SmartMoeConfig{}), std::logic_error);
+  EXPECT_THROW(smartmoe_plan({0, 0, 1, 1}, 2, {1, 1, 1, 1}, 10, SmartMoeConfig{0}), std::logic_error);
+}
+
+TEST(SmartMoe, ReducesTheMaxRankLoadOnZipfAndNeverIncreasesIt) {
+  for (int R : {2, 4, 8}) {
+    const int E = 16;
+    for (uint32_t seed = 1; seed <= 15; ++seed) {
+      const std::vector<double> load = as_loads(column_sums(zipf_counts(R, E, 500, 1.2, seed)));
+      const std::vector<int> even = even_placement(E, R).owner;
+      const SmartMoePlan plan = smartmoe_plan(even, R, load, 10, SmartMoeConfig{});
+      const double before = max_of(owner_rank_loads(even, R, load));
+      const double after = max_of(owner_rank_loads(plan.owner, R, load));
+      EXPECT_DOUBLE_EQ(plan.max_load_before, before);
+      EXPECT_DOUBLE_EQ(plan.max_load_after, after);
+      EXPECT_LE(after, before);
+      std::vector<int> owned(R, 0);
+      for (int r : plan.owner) ++owned[r];
+      EXPECT_EQ(owned, std::vector<int>(R, E / R));  // still a permutation onto the slots
+      EXPECT_EQ(plan.moves, owner_moves(even, plan.owner));
+      // A skewed expert order (Zipf, shuffled) almost never leaves even blocks optimal; with the
+      // hottest experts together on rank 0 it never does.
+      std::vector<int> sorted(E);
+      std::iota(sorted.begin(), sorted.end(), 0);
+      std::stable_sort(sorted.begin(), sorted.end(), [&](int a, int b) { return load[a] > load[b]; });
+      std::vector<int> clustered(E);
+      for (int i = 0; i < E; ++i) clustered[sorted[i]] = i / (E / R);
+      const SmartMoePlan fix = smartmoe_plan(clustered, R, load, 10, SmartMoeConfig{});
+      EXPECT_TRUE(fix.adopted);
+      EXPECT_LT(fix.max_load_after, fix.max_load_before);
+      const SmartMoePlan twice = smartmoe_plan(even, R, load, 10, SmartMoeConfig{});  // deterministic
+      EXPECT_EQ(twice.owner, plan.owner);
+      EXPECT_EQ(twice.moves, plan.moves);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe::plan
