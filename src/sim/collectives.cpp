@@ -1,0 +1,332 @@
+// Collectives as dependency graphs of transfers, run as flows on the network (collectives.h).
+#include "sim/collectives.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+namespace moe::sim {
+
+namespace {
+
+template <typename... A>
+std::string cat(const A&... a) {
+  std::ostringstream s;
+  (s << ... << a);
+  return s.str();
+}
+
+constexpr int kMaxPipelineChunks = 256;
+
+// The transfers of one collective being built: member-to-member sends and "a before b" edges. ready[m]
+// holds the transfers member m must have finished before it takes part in the next ring phase (the
+// phases of the hierarchical allreduce).
+struct Plan {
+  struct Item {
+    int src, dst;
+    double bytes;
+  };
+  std::vector<Item> items;
+  std::vector<std::pair<int, int>> edges;
+  std::vector<std::vector<int>> ready;
+
+  explicit Plan(int members) : ready(members) {}
+  int add(int src, int dst, double bytes) {
+    items.push_back({src, dst, bytes});
+    return static_cast<int>(items.size()) - 1;
+  }
+  void edge(int before, int after) { edges.emplace_back(before, after); }
+  void after_ready(int member, int x) {
+    for (int r : ready[member]) edge(r, x);
+  }
+};
+
+// One ring phase over the members `ring` (in ring order): `steps` steps, in each of which every member
+// sends `chunk` bytes to the next one.
+void ring_phase(Plan* plan, const std::vector<int>& ring, int steps, double chunk) {
+  const int p = static_cast<int>(ring.size());
+  if (p < 2 || steps == 0) return;
+  std::vector<int> prev(p), cur(p);
+  for (int s = 0; s < steps; ++s) {
+    for (int i = 0; i < p; ++i) {
+      const int from = ring[i], to = ring[(i + 1) % p];
+      const int x = plan->add(from, to, chunk);
+      if (s == 0) {
+        plan->after_ready(from, x);
+        plan->after_ready(to, x);
+      } else {
+        plan->edge(prev[i], x);                // its own previous send
+        plan->edge(prev[(i + p - 1) % p], x);  // the data it forwards
+      }
+      cur[i] = x;
+    }
+    std::swap(prev, cur);
+  }
+  for (int i = 0; i < p; ++i) plan->ready[ring[i]] = {prev[i], prev[(i + p - 1) % p]};
+}
+
+// A pipelined chain: chain[0] -> chain[1] -> ... in `chunks` chunks of `chunk` bytes each. A hop sends
+// chunk c after its chunk c-1 and after chunk c arrived from upstream.
+void chain_phase(Plan* plan, const std::vector<int>& chain, int chunks, double chunk) {
+  const int hops = static_cast<int>(chain.size()) - 1;
+  std::vector<int> prev(hops), cur(hops);  // by hop: the transfer of the previous / this chunk
+  for (int c = 0; c < chunks; ++c) {
+    for (int k = 0; k < hops; ++k) {
+      const int x = plan->add(chain[k], chain[k + 1], chunk);
+      if (c > 0) plan->edge(prev[k], x);
+      if (k > 0) plan->edge(cur[k - 1], x);
+      cur[k] = x;
+    }
+    std::swap(prev, cur);
+  }
+}
+
+}  // namespace
+
+const char* collective_kind_name(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::allreduce: return "allreduce";
+    case CollectiveKind::allgather: return "allgather";
+    case CollectiveKind::reduce_scatter: return "reduce_scatter";
+    case CollectiveKind::alltoallv: return "alltoallv";
+    case CollectiveKind::broadcast: return "broadcast";
+    case CollectiveKind::reduce: return "reduce";
+  }
+  return "?";
+}
+
+int pipeline_chunks(int hops, double bytes, double bandwidth, double alpha) {
+  if (hops < 1 || !(bytes >= 0) || !(bandwidth > 0) || !(alpha >= 0) || !std::isfinite(bytes) ||
+      !std::isfinite(alpha)) {
+    throw std::logic_error(cat("sim::pipeline_chunks: hops (", hops, "), bytes (", bytes, "), bandwidth (", bandwidth,
+                               "), alpha (", alpha, ") out of range"));
+  }
+  // One hop, or nothing to send: chunking only adds alphas.
+  if (hops == 1 || bytes == 0) return 1;
+  if (alpha == 0) return kMaxPipelineChunks;
+  auto time = [&](int c) { return (c + hops - 1) * (alpha + bytes / (c * bandwidth)); };
+  const double best = std::sqrt((hops - 1) * bytes / (bandwidth * alpha));
+  if (!(best < kMaxPipelineChunks)) return kMaxPipelineChunks;
+  const int lo = std::max(1, static_cast<int>(std::floor(best)));
+  const int hi = std::min(kMaxPipelineChunks, lo + 1);
+  return time(hi) < time(lo) ? hi : lo;
+}
+
+Collectives::Collectives(const Cluster& cluster) : cluster_(cluster), net_(cluster) {}
+
+void Collectives::validate(const CollectiveSpec& spec) const {
+  const char* kind = collective_kind_name(spec.kind);
+  auto fail = [&](const std::string& what) {
+    throw std::logic_error(cat("sim::Collectives::start(", kind, "): ", what));
+  };
+  const int p = static_cast<int>(spec.devices.size());
+  if (p == 0) fail("no devices");
+  std::vector<int> sorted = spec.devices;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.front() < 0 || sorted.back() >= cluster_.n_devices()) {
+    fail(cat("devices must be in [0, ", cluster_.n_devices(), ")"));
+  }
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) fail("a device appears twice");
+  if (!std::isfinite(spec.bytes) || spec.bytes < 0) fail(cat("bytes (", spec.bytes, ") must be finite and >= 0"));
+  if (spec.kind == CollectiveKind::alltoallv) {
+    if (static_cast<int64_t>(spec.peer_bytes.size()) != static_cast<int64_t>(p) * p) {
+      fail(cat("peer_bytes has ", spec.peer_bytes.size(), " entries, need ", p, " x ", p));
+    }
+    for (double b : spec.peer_bytes) {
+      if (!std::isfinite(b) || b < 0) fail(cat("peer_bytes entry ", b, " must be finite and >= 0"));
+    }
+  } else if (!spec.peer_bytes.empty()) {
+    fail("peer_bytes is only for alltoallv");
+  }
+  if ((spec.kind == CollectiveKind::broadcast || spec.kind == CollectiveKind::reduce) &&
+      (spec.root < 0 || spec.root >= p)) {
+    fail(cat("root (", spec.root, ") must be a member index in [0, ", p, ")"));
+  }
+  if (spec.hierarchical) {
+    if (spec.kind != CollectiveKind::allreduce) fail("hierarchical is only for allreduce");
+    std::vector<int> per_node(cluster_.n_nodes(), 0);
+    for (int d : spec.devices) ++per_node[cluster_.node_of(d)];
+    int k = 0;
+    for (int c : per_node) {
+      if (c == 0) continue;
+      if (k != 0 && c != k) fail("hierarchical needs the same number of members on every node");
+      k = c;
+    }
+  }
+}
+
+int Collectives::start(const CollectiveSpec& spec) {
+  validate(spec);
+  const int p = static_cast<int>(spec.devices.size());
+  const double S = spec.bytes;
+  Plan plan(p);
+  std::vector<int> members(p);
+  for (int i = 0; i < p; ++i) members[i] = i;
+
+  switch (spec.kind) {
+    case CollectiveKind::allreduce:
+      if (S == 0) break;
+      if (!spec.hierarchical) {
+        ring_phase(&plan, members, 2 * (p - 1), S / p);
+        break;
+      }
+      {
+        // Members by node, nodes in order of first appearance, members in ring order.
+        std::vector<int> node_order;
+        std::vector<std::vector<int>> by_node(cluster_.n_nodes());
+        for (int i = 0; i < p; ++i) {
+          const int node = cluster_.node_of(spec.devices[i]);
+          if (by_node[node].empty()) node_order.push_back(node);
+          by_node[node].push_back(i);
+        }
+        const int m = static_cast<int>(node_order.size());
+        const int k = p / m;
+        for (int node : node_order) ring_phase(&plan, by_node[node], k - 1, S / k);  // reduce-scatter
+        for (int j = 0; j < k; ++j) {
+          std::vector<int> ring;
+          for (int node : node_order) ring.push_back(by_node[node][j]);
+          ring_phase(&plan, ring, 2 * (m - 1), S / (static_cast<double>(k) * m));  // allreduce of a shard
+        }
+        for (int node : node_order) ring_phase(&plan, by_node[node], k - 1, S / k);  // allgather
+      }
+      break;
+    case CollectiveKind::allgather:
+    case CollectiveKind::reduce_scatter:
+      if (S > 0) ring_phase(&plan, members, p - 1, S / p);
+      break;
+    case CollectiveKind::alltoallv:
+      for (int i = 0; i < p; ++i) {
+        for (int j = 0; j < p; ++j) {
+          const double b = spec.peer_bytes[static_cast<size_t>(i) * p + j];
+          if (i != j && b > 0) plan.add(i, j, b);
+        }
+      }
+      break;
+    case CollectiveKind::broadcast:
+    case CollectiveKind::reduce: {
+      if (S == 0 || p < 2) break;
+      std::vector<int> chain;
+      const int first = spec.kind == CollectiveKind::broadcast ? spec.root : spec.root + 1;
+      for (int k = 0; k < p; ++k) chain.push_back((first + k) % p);
+      // Chunks sized for the slowest hop as it is uncontended.
+      double bandwidth = std::numeric_limits<double>::infinity(), alpha = 0;
+      for (int k = 0; k + 1 < p; ++k) {
+        const std::vector<int> path = cluster_.route(spec.devices[chain[k]], spec.devices[chain[k + 1]]);
+        bandwidth = std::min(bandwidth, cluster_.path_bandwidth(path));
+        alpha = std::max(alpha, cluster_.path_latency(path));
+      }
+      const int chunks = pipeline_chunks(p - 1, S, bandwidth, alpha);
+      chain_phase(&plan, chain, chunks, S / chunks);
+      break;
+    }
+  }
+
+  int id;
+  if (!free_ids_.empty()) {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+  } else {
+    id = static_cast<int>(running_.size());
+    running_.emplace_back();
+  }
+  ++in_flight_;
+  Running& r = running_[id];
+  r.start = now();
+  r.devices = spec.devices;
+  r.member_left.assign(p, 0);
+  r.member_end.assign(p, now());
+  // Transfers with their successors in CSR form (edges grouped by their first transfer).
+  const int n = static_cast<int>(plan.items.size());
+  r.transfers.assign(n, Transfer{});
+  std::vector<int> offset(n + 1, 0);  // transfer x's successors start at offset[x]
+  for (const auto& [before, after] : plan.edges) {
+    ++offset[before + 1];
+    ++r.transfers[after].deps_left;
+  }
+  for (int x = 0; x < n; ++x) offset[x + 1] += offset[x];
+  r.successors.assign(plan.edges.size(), 0);
+  std::vector<int> fill(offset.begin(), offset.end() - 1);
+  for (const auto& [before, after] : plan.edges) r.successors[fill[before]++] = after;
+  for (int x = 0; x < n; ++x) {
+    Transfer& t = r.transfers[x];
+    t.src = plan.items[x].src;
+    t.dst = plan.items[x].dst;
+    t.bytes = plan.items[x].bytes;
+    t.succ_begin = offset[x];
+    t.succ_end = offset[x + 1];
+    ++r.member_left[t.src];
+    ++r.member_left[t.dst];
+  }
+  r.transfers_left = n;
+  if (n == 0) {
+    finished_now_.push_back(id);
+    return id;
+  }
+  for (int x = 0; x < n; ++x) {
+    if (r.transfers[x].deps_left == 0) launch(id, x);
+  }
+  return id;
+}
+
+void Collectives::launch(int collective, int transfer) {
+  const Running& r = running_[collective];
+  const Transfer& t = r.transfers[transfer];
+  const int flow = net_.start_flow(cluster_.route(r.devices[t.src], r.devices[t.dst]), t.bytes);
+  if (flow >= static_cast<int>(flow_owner_.size())) flow_owner_.resize(flow + 1, {-1, -1});
+  flow_owner_[flow] = {collective, transfer};
+}
+
+double Collectives::next_event_time() {
+  if (!finished_now_.empty()) return now();
+  return net_.next_event_time();
+}
+
+std::vector<FinishedCollective> Collectives::advance(double t) {
+  if (!finished_now_.empty() && t != now()) {
+    throw std::logic_error(
+        cat("sim::Collectives::advance: t (", t, ") skips collectives that finished at now (", now(), ")"));
+  }
+  const std::vector<int> ended_flows = net_.advance(t);
+  // Owners first: the ended flows' ids are reused by the flows started below.
+  std::vector<std::pair<int, int>> ended;
+  ended.reserve(ended_flows.size());
+  for (int f : ended_flows) ended.push_back(flow_owner_[f]);
+
+  std::vector<int> done;
+  done.swap(finished_now_);
+  for (const auto& [c, x] : ended) {
+    Running& r = running_[c];
+    const Transfer& tr = r.transfers[x];
+    --r.transfers_left;
+    for (int m : {tr.src, tr.dst}) {
+      if (--r.member_left[m] == 0) r.member_end[m] = t;
+    }
+    for (int s = tr.succ_begin; s < tr.succ_end; ++s) {
+      const int next = r.successors[s];
+      if (--r.transfers[next].deps_left == 0) launch(c, next);
+    }
+    if (r.transfers_left == 0) done.push_back(c);
+  }
+  std::sort(done.begin(), done.end());
+  std::vector<FinishedCollective> finished;
+  finished.reserve(done.size());
+  for (int c : done) finished.push_back(finish(c));
+  return finished;
+}
+
+FinishedCollective Collectives::finish(int collective) {
+  Running& r = running_[collective];
+  FinishedCollective f;
+  f.id = collective;
+  f.start = r.start;
+  f.end = now();
+  f.member_end = std::move(r.member_end);
+  r = Running{};
+  free_ids_.push_back(collective);
+  --in_flight_;
+  return f;
+}
+
+}  // namespace moe::sim

@@ -1,0 +1,39 @@
+// The simulator's compute model: how long one op takes on one device, from the FLOPs it performs and
+// the bytes it moves through device memory. A roofline with an efficiency curve by op size and a fixed
+// launch overhead; the figures of each device come from the cluster presets (cluster.h) or a cluster
+// file, and the calibration fits them to a real run.
+//
+// Units: FLOPs, bytes, seconds; peaks in FLOP/s and bytes/s. Pure functions, safe from any thread.
+#pragma once
+
+#include <string>
+
+namespace moe::sim {
+
+// One accelerator.
+struct DeviceSpec {
+  std::string name;                  // "A100-SXM4-40GB"
+  double peak_flops = 0;             // dense FP16/BF16 tensor-core peak, FLOP/s (> 0): what the model's GEMMs use
+  double mem_bandwidth = 0;          // device memory, bytes/s (> 0)
+  double launch_overhead = 0;        // s added to every op: kernel launch and stream synchronisation (>= 0)
+  double max_efficiency = 1;         // fraction of peak_flops that large ops reach, in (0, 1]
+  double half_efficiency_flops = 0;  // op size (FLOPs) at which efficiency is max_efficiency / 2 (>= 0)
+
+  bool operator==(const DeviceSpec&) const = default;
+};
+
+// Fraction of peak_flops an op of `flops` FLOPs reaches:
+//   efficiency(f) = max_efficiency * f / (f + half_efficiency_flops).
+// Small ops cannot fill the device (too few thread blocks, tails, fixed prologues), so efficiency grows
+// with size and saturates at max_efficiency. The time this gives, f / (peak * efficiency(f)) =
+// (f + half_efficiency_flops) / (peak * max_efficiency), is affine in f: a fixed cost plus a rate,
+// the same alpha-beta form the link model uses, which is what a least-squares calibration can fit.
+// REQUIRES: flops >= 0 and finite (std::logic_error). efficiency(0) is 0.
+double efficiency(const DeviceSpec& device, double flops);
+
+// Seconds for one op: max(compute, memory) + launch_overhead, where compute = flops / (peak_flops *
+// efficiency(flops)) (0 for flops = 0) and memory = bytes / mem_bandwidth (bytes read plus written).
+// REQUIRES: flops, bytes >= 0 and finite; the device's figures as documented above (std::logic_error).
+double op_time(const DeviceSpec& device, double flops, double bytes);
+
+}  // namespace moe::sim
