@@ -25,6 +25,7 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/sparse_collectives.h"
+#include "util/str_cat.h"
 
 namespace moe::comm {
 namespace {
@@ -87,23 +88,8 @@ int64_t total(int64_t wrong) {
   return wrong;
 }
 
-// Messages are built with +=: operator+ on a literal and a temporary trips GCC 12's -Wrestrict.
-void append(std::string& s, const char* a) { s += a; }
-void append(std::string& s, const std::string& a) { s += a; }
-template <typename I>
-  requires std::integral<I>
-void append(std::string& s, I v) {
-  s += std::to_string(v);
-}
-template <typename... A>
-std::string cat(const A&... a) {
-  std::string s;
-  (append(s, a), ...);
-  return s;
-}
-
 std::string label(const Communicator& c) {
-  return cat("group '", c.name(), "' (rank ", c.rank(), " of ", c.size(), ")");
+  return str_cat("group '", c.name(), "' (rank ", c.rank(), " of ", c.size(), ")");
 }
 
 // Counts a mismatch and reports the first few of each check on stderr.
@@ -144,7 +130,7 @@ struct Case {
 Case random_case(int P, int64_t C, uint64_t seed, bool multi_owner) {
   std::mt19937_64 gen(seed);
   Case k;
-  k.name = cat("random seed ", seed, multi_owner ? " (several owners)" : "");
+  k.name = str_cat("random seed ", seed, multi_owner ? " (several owners)" : "");
   k.p0.resize(C), k.p1.resize(C);
   for (int64_t c = 0; c < C; ++c) {
     const int owners = multi_owner ? 1 + static_cast<int>(gen() % std::min(P, 3)) : 1;
@@ -234,7 +220,7 @@ std::string replay_allgather(const SparsePlan& plan, const Placement& p0, const 
     std::vector<int> sends(P, 0), recvs(P, 0);
     auto before = has;
     for (const ChunkTransfer& t : plan.rounds[k]) {
-      const std::string at = cat("round ", k, " chunk ", t.chunk, ": ");
+      const std::string at = str_cat("round ", k, " chunk ", t.chunk, ": ");
       if (++sends[t.src] > 1) err += at + "a second send\n";
       if (++recvs[t.dst] > 1) err += at + "a second receive\n";
       if (t.reduce) err += at + "a reduction in an allgather\n";
@@ -246,7 +232,7 @@ std::string replay_allgather(const SparsePlan& plan, const Placement& p0, const 
   }
   for (int64_t c = 0; c < C; ++c)
     for (int r = 0; r < P; ++r)
-      if (has[c][r] != holds(p1, c, r)) err += cat("chunk ", c, " rank ", r, " wrong at the end\n");
+      if (has[c][r] != holds(p1, c, r)) err += str_cat("chunk ", c, " rank ", r, " wrong at the end\n");
   return err;
 }
 
@@ -265,7 +251,7 @@ std::string replay_reduce_scatter(const SparsePlan& plan, const Placement& p1, c
     std::vector<int> sends(P, 0), recvs(P, 0);
     auto before = sum;
     for (const ChunkTransfer& t : plan.rounds[k]) {
-      const std::string at = cat("round ", k, " chunk ", t.chunk, ": ");
+      const std::string at = str_cat("round ", k, " chunk ", t.chunk, ": ");
       if (++sends[t.src] > 1) err += at + "a second send\n";
       if (++recvs[t.dst] > 1) err += at + "a second receive\n";
       if (!holds(p1, t.chunk, t.src) || !holds(p1, t.chunk, t.dst)) err += at + "a rank outside P1\n";
@@ -283,7 +269,7 @@ std::string replay_reduce_scatter(const SparsePlan& plan, const Placement& p1, c
     uint64_t want = 0;
     for (int r : p1[c]) want |= uint64_t(1) << r;
     for (int r : p0[c])
-      if (sum[c][r] != want) err += cat("chunk ", c, " owner ", r, " lacks partials\n");
+      if (sum[c][r] != want) err += str_cat("chunk ", c, " owner ", r, " lacks partials\n");
   }
   return err;
 }
@@ -299,7 +285,7 @@ int64_t max_over_ranks(const SparsePlan& plan, bool sent) {
 TEST(SparsePlan, AllgatherMovesEachNewReplicaOnceFromAHolderWithinTheRoundRules) {
   for (int P : {1, 2, 3, 4, 8, 13}) {
     for (const Case& k : cases(P)) {
-      SCOPED_TRACE(cat(k.name, ", ", P, " ranks"));
+      SCOPED_TRACE(str_cat(k.name, ", ", P, " ranks"));
       SparsePlan plan = plan_sparse_allgather(k.p0, k.p1, P);
       EXPECT_EQ(plan.op, SparseOp::allgather);
       EXPECT_EQ(replay_allgather(plan, k.p0, k.p1), "");
@@ -336,7 +322,7 @@ TEST(SparsePlan, AllgatherMovesEachNewReplicaOnceFromAHolderWithinTheRoundRules)
 TEST(SparsePlan, ReduceScatterSumsEveryPartialOnceIntoEveryOwner) {
   for (int P : {1, 2, 3, 4, 8, 13}) {
     for (const Case& k : cases(P)) {
-      SCOPED_TRACE(cat(k.name, ", ", P, " ranks"));
+      SCOPED_TRACE(str_cat(k.name, ", ", P, " ranks"));
       SparsePlan plan = plan_sparse_reduce_scatter(k.p1, k.p0, P);
       EXPECT_EQ(plan.op, SparseOp::reduce_scatter);
       EXPECT_EQ(replay_reduce_scatter(plan, k.p1, k.p0), "");
@@ -363,7 +349,7 @@ TEST(SparsePlan, BalancedHotChunksMeetTheReceiveBoundAndSpreadTheSends) {
   for (int P : {2, 4, 8}) {
     const int K = 4;
     for (int h : {1, 2, 4}) {
-      SCOPED_TRACE(cat(P, " ranks, ", h, " hot chunks per rank"));
+      SCOPED_TRACE(str_cat(P, " ranks, ", h, " hot chunks per rank"));
       Placement p0(P * K), p1(P * K);
       for (int c = 0; c < P * K; ++c) {
         p0[c] = {c / K};
@@ -385,7 +371,7 @@ TEST(SparsePlan, OneOwnerOfEveryHotChunkIsRelievedByForwarding) {
   // rounds (filling the tree) of the receive bound h, and no rank sends more than that.
   for (int P : {4, 8, 16}) {
     for (int h : {1, 4, 8}) {
-      SCOPED_TRACE(cat(P, " ranks, ", h, " hot chunks"));
+      SCOPED_TRACE(str_cat(P, " ranks, ", h, " hot chunks"));
       Placement p0(h, std::vector<int>{0}), p1(h, all_ranks(P));
       SparsePlan ag = plan_sparse_allgather(p0, p1, P);
       const int log2p = static_cast<int>(std::ceil(std::log2(P)));
@@ -479,7 +465,7 @@ int64_t check_allgather(Communicator& comm, const Case& k, int64_t n) {
   Status st = sparse_allgather(comm, plan, b.ptrs, n);
   EXPECT_TRUE(st.is_ok()) << st.message();
   std::vector<float> ref = dense_allgather(comm, k, n);
-  Counter w{cat("sparse_allgather '", k.name, "' n ", n, " on ", label(comm))};
+  Counter w{str_cat("sparse_allgather '", k.name, "' n ", n, " on ", label(comm))};
   for (int64_t c = 0; c < C; ++c) {
     const bool in_p1 = holds(k.p1, c, r);
     for (int64_t i = 0; i < n; ++i) {
@@ -506,7 +492,7 @@ int64_t check_reduce_scatter(Communicator& comm, const Case& k, int64_t n, std::
   Status st = sparse_reduce_scatter(comm, plan, b.ptrs, n, scratch);
   EXPECT_TRUE(st.is_ok()) << st.message();
   std::vector<float> ref = dense_reduce_scatter(comm, k, n);
-  Counter w{cat("sparse_reduce_scatter '", k.name, "' n ", n, " on ", label(comm))};
+  Counter w{str_cat("sparse_reduce_scatter '", k.name, "' n ", n, " on ", label(comm))};
   for (int64_t c = 0; c < C; ++c) {
     if (holds(k.p0, c, r)) {
       for (int64_t i = 0; i < n; ++i) {
@@ -626,7 +612,7 @@ TEST(SparseCollectives, ViolatedRequiresThrowWithoutCommunicating) {
       ADD_FAILURE() << "no exception";
     } catch (const std::logic_error& e) {
       const std::string want =
-          cat("rank ", world().world_rank(), ": sparse_allgather on group 'world': null pointer for chunk ");
+          str_cat("rank ", world().world_rank(), ": sparse_allgather on group 'world': null pointer for chunk ");
       EXPECT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
     }
   }

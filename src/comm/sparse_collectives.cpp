@@ -1,5 +1,6 @@
 // Sparse collectives: the planner (pure) and the executors. See sparse_collectives.h.
 #include "comm/sparse_collectives.h"
+#include "util/str_cat.h"
 
 #include <algorithm>
 #include <concepts>
@@ -11,42 +12,26 @@
 namespace moe::comm {
 namespace {
 
-// Error messages are built with +=: operator+ on a literal and a temporary trips GCC 12's
-// -Wrestrict false positive.
-void append(std::string& s, const char* a) { s += a; }
-void append(std::string& s, const std::string& a) { s += a; }
-template <typename I>
-  requires std::integral<I>
-void append(std::string& s, I v) {
-  s += std::to_string(v);
-}
-template <typename... A>
-std::string cat(const A&... a) {
-  std::string s;
-  (append(s, a), ...);
-  return s;
-}
-
-[[noreturn]] void fail(const char* op, const std::string& what) { throw std::logic_error(cat(op, " plan: ", what)); }
+[[noreturn]] void fail(const char* op, const std::string& what) { throw std::logic_error(str_cat(op, " plan: ", what)); }
 
 void check_list(const char* op, const char* name, size_t c, const std::vector<int>& list, int num_ranks) {
   for (size_t i = 0; i < list.size(); ++i) {
     if (list[i] < 0 || list[i] >= num_ranks)
-      fail(op, cat("chunk ", c, ": ", name, " lists rank ", list[i], ", outside a group of ", num_ranks));
-    if (i > 0 && list[i] <= list[i - 1]) fail(op, cat("chunk ", c, ": ", name, "'s ranks are not strictly ascending"));
+      fail(op, str_cat("chunk ", c, ": ", name, " lists rank ", list[i], ", outside a group of ", num_ranks));
+    if (i > 0 && list[i] <= list[i - 1]) fail(op, str_cat("chunk ", c, ": ", name, "'s ranks are not strictly ascending"));
   }
 }
 
 // REQUIRES of both planners: `before` are the owners, `after` ⊇ before the holders after.
 void check_placements(const char* op, const Placement& before, const Placement& after, int num_ranks) {
-  if (num_ranks < 1) fail(op, cat("a group of ", num_ranks, " ranks"));
-  if (before.size() != after.size()) fail(op, cat("P0 has ", before.size(), " chunks, P1 has ", after.size()));
+  if (num_ranks < 1) fail(op, str_cat("a group of ", num_ranks, " ranks"));
+  if (before.size() != after.size()) fail(op, str_cat("P0 has ", before.size(), " chunks, P1 has ", after.size()));
   for (size_t c = 0; c < before.size(); ++c) {
     check_list(op, "P0", c, before[c], num_ranks);
     check_list(op, "P1", c, after[c], num_ranks);
-    if (before[c].empty()) fail(op, cat("chunk ", c, " has no owner in P0"));
+    if (before[c].empty()) fail(op, str_cat("chunk ", c, " has no owner in P0"));
     if (!std::includes(after[c].begin(), after[c].end(), before[c].begin(), before[c].end()))
-      fail(op, cat("chunk ", c, ": P1 does not contain every rank of P0"));
+      fail(op, str_cat("chunk ", c, ": P1 does not contain every rank of P0"));
   }
 }
 
@@ -150,30 +135,30 @@ Placement difference(const Placement& after, const Placement& have) {
 
 void check_bytes_args(const SparsePlan& plan, int rank, int64_t chunk_bytes) {
   if (rank < 0 || rank >= plan.num_ranks)
-    fail(sparse_op_name(plan.op), cat("rank ", rank, " outside a group of ", plan.num_ranks));
-  if (chunk_bytes < 0) fail(sparse_op_name(plan.op), cat("negative chunk_bytes ", chunk_bytes));
+    fail(sparse_op_name(plan.op), str_cat("rank ", rank, " outside a group of ", plan.num_ranks));
+  if (chunk_bytes < 0) fail(sparse_op_name(plan.op), str_cat("negative chunk_bytes ", chunk_bytes));
 }
 
 // ---- execution ----
 
 [[noreturn]] void fail_run(const Communicator& comm, SparseOp op, const std::string& what) {
-  throw std::logic_error(cat(comm.where(sparse_op_name(op)), ": ", what));
+  throw std::logic_error(str_cat(comm.where(sparse_op_name(op)), ": ", what));
 }
 
 // Hot path: messages are only built on failure.
 void check_run_args(const Communicator& comm, SparseOp op, const SparsePlan& plan, std::span<float* const> chunks,
                     int64_t chunk_elems) {
-  if (plan.op != op) fail_run(comm, op, cat("given a plan of ", sparse_op_name(plan.op)));
+  if (plan.op != op) fail_run(comm, op, str_cat("given a plan of ", sparse_op_name(plan.op)));
   if (plan.num_ranks != comm.size())
-    fail_run(comm, op, cat("the plan is for ", plan.num_ranks, " ranks, the group has ", comm.size()));
-  if (chunk_elems < 0) fail_run(comm, op, cat("negative chunk_elems ", chunk_elems));
+    fail_run(comm, op, str_cat("the plan is for ", plan.num_ranks, " ranks, the group has ", comm.size()));
+  if (chunk_elems < 0) fail_run(comm, op, str_cat("negative chunk_elems ", chunk_elems));
   if (static_cast<int64_t>(chunks.size()) != plan.num_chunks)
-    fail_run(comm, op, cat(chunks.size(), " chunk pointers for a plan of ", plan.num_chunks, " chunks"));
+    fail_run(comm, op, str_cat(chunks.size(), " chunk pointers for a plan of ", plan.num_chunks, " chunks"));
   const int r = comm.rank();
   for (const auto& round : plan.rounds)
     for (const ChunkTransfer& t : round)
       if ((t.src == r || t.dst == r) && chunks[t.chunk] == nullptr)
-        fail_run(comm, op, cat("null pointer for chunk ", t.chunk, ", which this rank sends or receives"));
+        fail_run(comm, op, str_cat("null pointer for chunk ", t.chunk, ", which this rank sends or receives"));
 }
 
 // This rank's send and receive in one round (null where it has none).
@@ -194,12 +179,12 @@ Step step_of(const std::vector<ChunkTransfer>& round, int r) {
 // "rank 1: sparse_allgather on group 'world': round 3 of 8 (sending chunk 2 to rank 0, receiving
 // chunk 5 from rank 3): <the point-to-point error without its own "rank 1: " prefix>".
 Status round_error(const Communicator& comm, SparseOp op, size_t k, size_t rounds, const Step& s, const Status& st) {
-  std::string m = cat(comm.where(sparse_op_name(op)), ": round ", k + 1, " of ", rounds, " (");
-  if (s.send) m += cat("sending chunk ", s.send->chunk, " to rank ", comm.world_ranks()[s.send->dst]);
+  std::string m = str_cat(comm.where(sparse_op_name(op)), ": round ", k + 1, " of ", rounds, " (");
+  if (s.send) m += str_cat("sending chunk ", s.send->chunk, " to rank ", comm.world_ranks()[s.send->dst]);
   if (s.send && s.recv) m += ", ";
-  if (s.recv) m += cat("receiving chunk ", s.recv->chunk, " from rank ", comm.world_ranks()[s.recv->src]);
+  if (s.recv) m += str_cat("receiving chunk ", s.recv->chunk, " from rank ", comm.world_ranks()[s.recv->src]);
   m += "): ";
-  const std::string prefix = cat("rank ", comm.world_rank(), ": ");
+  const std::string prefix = str_cat("rank ", comm.world_rank(), ": ");
   const std::string& inner = st.message();
   m.append(inner, inner.rfind(prefix, 0) == 0 ? prefix.size() : 0);
   return Status::error(std::move(m));

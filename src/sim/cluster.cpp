@@ -1,5 +1,6 @@
 // ClusterSpec validation and JSON I/O; the link graph and routing of a Cluster (cluster.h).
 #include "sim/cluster.h"
+#include "util/str_cat.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,51 +25,44 @@ constexpr int kMaxNics = 1024;
 constexpr int kMaxLinksPerPair = 64;
 constexpr int64_t kMaxLinks = int64_t{1} << 28;
 
-template <typename... A>
-std::string cat(const A&... a) {
-  std::ostringstream s;
-  (s << ... << a);
-  return s.str();
-}
-
 Status cluster_error(const std::string& what) {
   std::string m = "cluster: ";
   m += what;
   return Status::error(m);
 }
 
-std::string indexed(const std::string& field, size_t i) { return cat(field, "[", i, "]"); }
+std::string indexed(const std::string& field, size_t i) { return str_cat(field, "[", i, "]"); }
 
 Status positive(const std::string& field, double v) {
-  if (!std::isfinite(v) || v <= 0) return cluster_error(cat(field, " (", v, ") must be a finite number > 0"));
+  if (!std::isfinite(v) || v <= 0) return cluster_error(str_cat(field, " (", v, ") must be a finite number > 0"));
   return Status::ok();
 }
 
 Status nonnegative(const std::string& field, double v) {
-  if (!std::isfinite(v) || v < 0) return cluster_error(cat(field, " (", v, ") must be a finite number >= 0"));
+  if (!std::isfinite(v) || v < 0) return cluster_error(str_cat(field, " (", v, ") must be a finite number >= 0"));
   return Status::ok();
 }
 
 Status in_range(const std::string& field, int64_t v, int64_t lo, int64_t hi) {
-  if (v < lo || v > hi) return cluster_error(cat(field, " (", v, ") must be in [", lo, ", ", hi, "]"));
+  if (v < lo || v > hi) return cluster_error(str_cat(field, " (", v, ") must be in [", lo, ", ", hi, "]"));
   return Status::ok();
 }
 
 Status valid_link(const std::string& field, const LinkSpec& l) {
-  if (Status s = positive(cat(field, ".bandwidth"), l.bandwidth); !s) return s;
-  return nonnegative(cat(field, ".latency"), l.latency);
+  if (Status s = positive(str_cat(field, ".bandwidth"), l.bandwidth); !s) return s;
+  return nonnegative(str_cat(field, ".latency"), l.latency);
 }
 
 // A field that only one interconnect (or only a node with NICs) uses must keep its default elsewhere,
 // so that to_json, which leaves it out, round-trips.
 Status unused(const std::string& field, bool is_default, const std::string& why) {
-  if (!is_default) return cluster_error(cat(field, " is set but ", why));
+  if (!is_default) return cluster_error(str_cat(field, " is set but ", why));
   return Status::ok();
 }
 
 std::string describe(const nlohmann::json& v) {
   if (v.is_null()) return "null";
-  return cat(v.type_name(), " ", v.dump());
+  return str_cat(v.type_name(), " ", v.dump());
 }
 
 // Reads the fields of one JSON object of a cluster file. The first error wins (later calls do
@@ -78,12 +72,12 @@ class Reader {
  public:
   Reader(const nlohmann::json* j, std::string path, Status* st) : j_(j), path_(std::move(path)), st_(st) {
     if (ok() && j_ && !j_->is_object()) {
-      fail(cat(path_.empty() ? "the cluster spec" : path_, " must be a JSON object, got ", describe(*j_)));
+      fail(str_cat(path_.empty() ? "the cluster spec" : path_, " must be a JSON object, got ", describe(*j_)));
     }
   }
 
   bool ok() const { return st_->is_ok(); }
-  std::string field(const char* key) const { return path_.empty() ? std::string(key) : cat(path_, ".", key); }
+  std::string field(const char* key) const { return path_.empty() ? std::string(key) : str_cat(path_, ".", key); }
 
   // The value under key, or null when absent (an error when required).
   const nlohmann::json* find(const char* key, bool required) {
@@ -91,7 +85,7 @@ class Reader {
     if (!ok() || !j_) return nullptr;
     auto it = j_->find(key);
     if (it == j_->end()) {
-      if (required) fail(cat("missing key ", field(key)));
+      if (required) fail(str_cat("missing key ", field(key)));
       return nullptr;
     }
     return &*it;
@@ -100,7 +94,7 @@ class Reader {
   void number(const char* key, double* out, bool required = true) {
     const nlohmann::json* v = find(key, required);
     if (!v) return;
-    if (!v->is_number()) return fail(cat(field(key), " must be a number, got ", describe(*v)));
+    if (!v->is_number()) return fail(str_cat(field(key), " must be a number, got ", describe(*v)));
     *out = v->get<double>();
   }
 
@@ -112,7 +106,7 @@ class Reader {
   void text(const char* key, std::string* out, bool required = true) {
     const nlohmann::json* v = find(key, required);
     if (!v) return;
-    if (!v->is_string()) return fail(cat(field(key), " must be a string, got ", describe(*v)));
+    if (!v->is_string()) return fail(str_cat(field(key), " must be a string, got ", describe(*v)));
     *out = v->get<std::string>();
   }
 
@@ -124,7 +118,7 @@ class Reader {
   void int_rows(const char* key, std::vector<std::vector<int>>* out, bool required = true) {
     const nlohmann::json* v = find(key, required);
     if (!v) return;
-    if (!v->is_array()) return fail(cat(field(key), " must be an array of arrays, got ", describe(*v)));
+    if (!v->is_array()) return fail(str_cat(field(key), " must be an array of arrays, got ", describe(*v)));
     std::vector<std::vector<int>> rows(v->size());
     for (size_t i = 0; i < v->size() && ok(); ++i) read_ints((*v)[i], indexed(field(key), i), &rows[i]);
     if (ok()) *out = std::move(rows);
@@ -153,7 +147,7 @@ class Reader {
         if (!known.empty()) known += ", ";
         known += k;
       }
-      return fail(cat("unknown key ", field(it.key().c_str()), " (known keys here: ", known, ")"));
+      return fail(str_cat("unknown key ", field(it.key().c_str()), " (known keys here: ", known, ")"));
     }
   }
 
@@ -162,16 +156,16 @@ class Reader {
     if (ok()) *st_ = cluster_error(what);
   }
   void read_int(const nlohmann::json& v, const std::string& name, int* out) {
-    if (!v.is_number_integer()) return fail(cat(name, " must be an integer, got ", describe(v)));
+    if (!v.is_number_integer()) return fail(str_cat(name, " must be an integer, got ", describe(v)));
     if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int>::max())
                                : (v.get<int64_t>() > std::numeric_limits<int>::max() ||
                                   v.get<int64_t>() < std::numeric_limits<int>::min())) {
-      return fail(cat(name, " (", v.dump(), ") is out of range"));
+      return fail(str_cat(name, " (", v.dump(), ") is out of range"));
     }
     *out = v.get<int>();
   }
   void read_ints(const nlohmann::json& v, const std::string& name, std::vector<int>* out) {
-    if (!v.is_array()) return fail(cat(name, " must be an array of integers, got ", describe(v)));
+    if (!v.is_array()) return fail(str_cat(name, " must be an array of integers, got ", describe(v)));
     std::vector<int> values(v.size());
     for (size_t i = 0; i < v.size() && ok(); ++i) read_int(v[i], indexed(name, i), &values[i]);
     if (ok()) *out = std::move(values);
@@ -214,7 +208,7 @@ Status ClusterSpec::validate() const {
   if (!(s = in_range("node.devices", n.devices, 1, kMaxDevicesPerNode))) return s;
   if (static_cast<int64_t>(nodes) * n.devices > kMaxDevices) {
     return cluster_error(
-        cat("nodes x node.devices (", static_cast<int64_t>(nodes) * n.devices, ") must be <= ", kMaxDevices));
+        str_cat("nodes x node.devices (", static_cast<int64_t>(nodes) * n.devices, ") must be <= ", kMaxDevices));
   }
 
   const DeviceSpec& d = n.device;
@@ -222,7 +216,7 @@ Status ClusterSpec::validate() const {
   if (!(s = positive("node.device.mem_bandwidth", d.mem_bandwidth))) return s;
   if (!(s = nonnegative("node.device.launch_overhead", d.launch_overhead))) return s;
   if (!(d.max_efficiency > 0 && d.max_efficiency <= 1)) {
-    return cluster_error(cat("node.device.max_efficiency (", d.max_efficiency, ") must be in (0, 1]"));
+    return cluster_error(str_cat("node.device.max_efficiency (", d.max_efficiency, ") must be in (0, 1]"));
   }
   if (!(s = nonnegative("node.device.half_efficiency_flops", d.half_efficiency_flops))) return s;
 
@@ -242,7 +236,7 @@ Status ClusterSpec::validate() const {
   const int switches = static_cast<int>(n.switch_socket.size());
   if (static_cast<int>(n.device_switch.size()) != n.devices) {
     return cluster_error(
-        cat("node.device_switch has ", n.device_switch.size(), " entries, node.devices is ", n.devices));
+        str_cat("node.device_switch has ", n.device_switch.size(), " entries, node.devices is ", n.devices));
   }
   for (size_t i = 0; i < n.device_switch.size(); ++i) {
     if (!(s = in_range(indexed("node.device_switch", i), n.device_switch[i], 0, switches - 1))) return s;
@@ -258,11 +252,11 @@ Status ClusterSpec::validate() const {
   }
   if (nvlink) {
     if (static_cast<int>(n.nvlink_links.size()) != n.devices) {
-      return cluster_error(cat("node.nvlink_links has ", n.nvlink_links.size(), " rows, node.devices is ", n.devices));
+      return cluster_error(str_cat("node.nvlink_links has ", n.nvlink_links.size(), " rows, node.devices is ", n.devices));
     }
     for (int i = 0; i < n.devices; ++i) {
       if (static_cast<int>(n.nvlink_links[i].size()) != n.devices) {
-        return cluster_error(cat(indexed("node.nvlink_links", i), " has ", n.nvlink_links[i].size(),
+        return cluster_error(str_cat(indexed("node.nvlink_links", i), " has ", n.nvlink_links[i].size(),
                                  " entries, node.devices is ", n.devices));
       }
     }
@@ -272,7 +266,7 @@ Status ClusterSpec::validate() const {
         const int v = n.nvlink_links[i][j];
         if (!(s = in_range(f, v, 0, i == j ? 0 : kMaxLinksPerPair))) return s;
         if (v != n.nvlink_links[j][i]) {
-          return cluster_error(cat(f, " (", v, ") differs from node.nvlink_links[", j, "][", i, "] (",
+          return cluster_error(str_cat(f, " (", v, ") differs from node.nvlink_links[", j, "][", i, "] (",
                                    n.nvlink_links[j][i], "): links are symmetric"));
         }
       }
@@ -294,14 +288,14 @@ Status ClusterSpec::validate() const {
     if (!(s = valid_link("node.nic_pcie", n.nic_pcie))) return s;
     if (!(s = valid_link("node.nic_port", n.nic_port))) return s;
   } else {
-    if (nodes > 1) return cluster_error(cat("nodes (", nodes, ") > 1 needs NICs, but node.nic_switch is empty"));
+    if (nodes > 1) return cluster_error(str_cat("nodes (", nodes, ") > 1 needs NICs, but node.nic_switch is empty"));
     if (!(s = unused("node.nic_pcie", n.nic_pcie == LinkSpec{}, "the node has no NICs"))) return s;
     if (!(s = unused("node.nic_port", n.nic_port == LinkSpec{}, "the node has no NICs"))) return s;
   }
 
   if (!(s = in_range("fabric.nodes_per_leaf", fabric.nodes_per_leaf, 0, kMaxNodes))) return s;
   if (!std::isfinite(fabric.oversubscription) || fabric.oversubscription < 1) {
-    return cluster_error(cat("fabric.oversubscription (", fabric.oversubscription, ") must be a finite number >= 1"));
+    return cluster_error(str_cat("fabric.oversubscription (", fabric.oversubscription, ") must be a finite number >= 1"));
   }
   if (!(s = nonnegative("fabric.uplink_latency", fabric.uplink_latency))) return s;
 
@@ -315,7 +309,7 @@ Status ClusterSpec::validate() const {
     }
   }
   const int64_t total = per_node * nodes + 2 * static_cast<int64_t>(nodes);
-  if (total > kMaxLinks) return cluster_error(cat("the spec makes about ", total, " links, more than ", kMaxLinks));
+  if (total > kMaxLinks) return cluster_error(str_cat("the spec makes about ", total, " links, more than ", kMaxLinks));
   return Status::ok();
 }
 
@@ -391,7 +385,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
         ns.interconnect = Interconnect::nvswitch;
       } else {
         st = cluster_error(
-            cat("node.interconnect (\"", interconnect, "\") must be \"pcie\", \"nvlink\" or \"nvswitch\""));
+            str_cat("node.interconnect (\"", interconnect, "\") must be \"pcie\", \"nvlink\" or \"nvswitch\""));
       }
     }
     n.link("nvlink", &ns.nvlink, false);
@@ -418,19 +412,19 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
 
 Status load_cluster_file(const std::string& path, ClusterSpec* out) {
   std::ifstream in(path);
-  if (!in) return Status::error(cat("cluster file ", path, ": cannot be opened"));
+  if (!in) return Status::error(str_cat("cluster file ", path, ": cannot be opened"));
   nlohmann::json j;
   try {
     in >> j;
   } catch (const nlohmann::json::exception& e) {
-    return Status::error(cat("cluster file ", path, ": not valid JSON (", e.what(), ")"));
+    return Status::error(str_cat("cluster file ", path, ": not valid JSON (", e.what(), ")"));
   }
   if (Status s = ClusterSpec::from_json(j, out); !s) {
     // "cluster file F: node.x ..." rather than "cluster file F: cluster: node.x ...".
     const std::string prefix = "cluster: ";
     std::string what = s.message();
     if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
-    return Status::error(cat("cluster file ", path, ": ", what));
+    return Status::error(str_cat("cluster file ", path, ": ", what));
   }
   return Status::ok();
 }
@@ -455,7 +449,7 @@ Cluster::Cluster(ClusterSpec spec) : spec_(std::move(spec)) {
   vertices_.reserve(static_cast<size_t>(per_node) * spec_.nodes + n_leaves_ + 1);
   for (int node = 0; node < spec_.nodes; ++node) {
     auto add = [&](VertexKind kind, const char* what, int i) {
-      vertices_.push_back({kind, node, i < 0 ? cat("n", node, ".", what) : cat("n", node, ".", what, i)});
+      vertices_.push_back({kind, node, i < 0 ? str_cat("n", node, ".", what) : str_cat("n", node, ".", what, i)});
     };
     for (int i = 0; i < D; ++i) add(VertexKind::device, "gpu", i);
     for (int k = 0; k < K; ++k) add(VertexKind::pcie_switch, "pcie", k);
@@ -465,7 +459,7 @@ Cluster::Cluster(ClusterSpec spec) : spec_(std::move(spec)) {
   }
   const int first_leaf = static_cast<int>(vertices_.size());
   if (N > 0) {
-    for (int l = 0; l < n_leaves_; ++l) vertices_.push_back({VertexKind::leaf, -1, cat("leaf", l)});
+    for (int l = 0; l < n_leaves_; ++l) vertices_.push_back({VertexKind::leaf, -1, str_cat("leaf", l)});
     if (n_leaves_ > 1) vertices_.push_back({VertexKind::spine, -1, "spine"});
   }
   const int spine = first_leaf + n_leaves_;
@@ -574,7 +568,7 @@ Cluster::Cluster(ClusterSpec spec) : spec_(std::move(spec)) {
 
 int Cluster::node_of(int device) const {
   if (device < 0 || device >= n_devices()) {
-    throw std::logic_error(cat("sim::Cluster: device ", device, " out of range"));
+    throw std::logic_error(str_cat("sim::Cluster: device ", device, " out of range"));
   }
   return device / spec_.node.devices;
 }
@@ -594,10 +588,10 @@ int Cluster::leaf_of(int node) const {
 
 std::string Cluster::link_name(int link) const {
   if (link < 0 || link >= n_links()) {
-    throw std::logic_error(cat("sim::Cluster::link_name: link ", link, " out of range"));
+    throw std::logic_error(str_cat("sim::Cluster::link_name: link ", link, " out of range"));
   }
   const Link& l = links_[link];
-  return cat(vertices_[l.from].name, "->", vertices_[l.to].name);
+  return str_cat(vertices_[l.from].name, "->", vertices_[l.to].name);
 }
 
 void Cluster::pcie_path(int node, int sa, int sb, std::vector<int>* path) const {

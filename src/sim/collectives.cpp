@@ -1,5 +1,6 @@
 // Collectives as dependency graphs of transfers, run as flows on the network (collectives.h).
 #include "sim/collectives.h"
+#include "util/str_cat.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,13 +11,6 @@
 namespace moe::sim {
 
 namespace {
-
-template <typename... A>
-std::string cat(const A&... a) {
-  std::ostringstream s;
-  (s << ... << a);
-  return s.str();
-}
 
 constexpr int kMaxPipelineChunks = 256;
 
@@ -100,7 +94,7 @@ const char* collective_kind_name(CollectiveKind k) {
 int pipeline_chunks(int hops, double bytes, double bandwidth, double alpha) {
   if (hops < 1 || !(bytes >= 0) || !(bandwidth > 0) || !(alpha >= 0) || !std::isfinite(bytes) ||
       !std::isfinite(alpha)) {
-    throw std::logic_error(cat("sim::pipeline_chunks: hops (", hops, "), bytes (", bytes, "), bandwidth (", bandwidth,
+    throw std::logic_error(str_cat("sim::pipeline_chunks: hops (", hops, "), bytes (", bytes, "), bandwidth (", bandwidth,
                                "), alpha (", alpha, ") out of range"));
   }
   // One hop, or nothing to send: chunking only adds alphas.
@@ -119,30 +113,30 @@ Collectives::Collectives(const Cluster& cluster) : cluster_(cluster), net_(clust
 void Collectives::validate(const CollectiveSpec& spec) const {
   const char* kind = collective_kind_name(spec.kind);
   auto fail = [&](const std::string& what) {
-    throw std::logic_error(cat("sim::Collectives::start(", kind, "): ", what));
+    throw std::logic_error(str_cat("sim::Collectives::start(", kind, "): ", what));
   };
   const int p = static_cast<int>(spec.devices.size());
   if (p == 0) fail("no devices");
   std::vector<int> sorted = spec.devices;
   std::sort(sorted.begin(), sorted.end());
   if (sorted.front() < 0 || sorted.back() >= cluster_.n_devices()) {
-    fail(cat("devices must be in [0, ", cluster_.n_devices(), ")"));
+    fail(str_cat("devices must be in [0, ", cluster_.n_devices(), ")"));
   }
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) fail("a device appears twice");
-  if (!std::isfinite(spec.bytes) || spec.bytes < 0) fail(cat("bytes (", spec.bytes, ") must be finite and >= 0"));
+  if (!std::isfinite(spec.bytes) || spec.bytes < 0) fail(str_cat("bytes (", spec.bytes, ") must be finite and >= 0"));
   if (spec.kind == CollectiveKind::alltoallv) {
     if (static_cast<int64_t>(spec.peer_bytes.size()) != static_cast<int64_t>(p) * p) {
-      fail(cat("peer_bytes has ", spec.peer_bytes.size(), " entries, need ", p, " x ", p));
+      fail(str_cat("peer_bytes has ", spec.peer_bytes.size(), " entries, need ", p, " x ", p));
     }
     for (double b : spec.peer_bytes) {
-      if (!std::isfinite(b) || b < 0) fail(cat("peer_bytes entry ", b, " must be finite and >= 0"));
+      if (!std::isfinite(b) || b < 0) fail(str_cat("peer_bytes entry ", b, " must be finite and >= 0"));
     }
   } else if (!spec.peer_bytes.empty()) {
     fail("peer_bytes is only for alltoallv");
   }
   if ((spec.kind == CollectiveKind::broadcast || spec.kind == CollectiveKind::reduce) &&
       (spec.root < 0 || spec.root >= p)) {
-    fail(cat("root (", spec.root, ") must be a member index in [0, ", p, ")"));
+    fail(str_cat("root (", spec.root, ") must be a member index in [0, ", p, ")"));
   }
   if (spec.hierarchical) {
     if (spec.kind != CollectiveKind::allreduce) fail("hierarchical is only for allreduce");
@@ -286,7 +280,7 @@ double Collectives::next_event_time() {
 std::vector<FinishedCollective> Collectives::advance(double t) {
   if (!finished_now_.empty() && t != now()) {
     throw std::logic_error(
-        cat("sim::Collectives::advance: t (", t, ") skips collectives that finished at now (", now(), ")"));
+        str_cat("sim::Collectives::advance: t (", t, ") skips collectives that finished at now (", now(), ")"));
   }
   const std::vector<int> ended_flows = net_.advance(t);
   // Owners first: the ended flows' ids are reused by the flows started below.

@@ -1,5 +1,6 @@
 // Flow-level network with incremental max-min fair sharing (network.h).
 #include "sim/network.h"
+#include "util/str_cat.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,13 +10,6 @@
 namespace moe::sim {
 
 namespace {
-
-template <typename... A>
-std::string cat(const A&... a) {
-  std::ostringstream s;
-  (s << ... << a);
-  return s.str();
-}
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -49,12 +43,12 @@ Network::Network(const Cluster& cluster) : Network(bandwidths(cluster), latencie
 
 Network::Network(std::vector<double> bandwidth, std::vector<double> latency) {
   if (bandwidth.size() != latency.size()) {
-    throw std::logic_error(cat("sim::Network: ", bandwidth.size(), " bandwidths but ", latency.size(), " latencies"));
+    throw std::logic_error(str_cat("sim::Network: ", bandwidth.size(), " bandwidths but ", latency.size(), " latencies"));
   }
   links_.resize(bandwidth.size());
   for (size_t l = 0; l < links_.size(); ++l) {
     if (!std::isfinite(bandwidth[l]) || bandwidth[l] <= 0 || !std::isfinite(latency[l]) || latency[l] < 0) {
-      throw std::logic_error(cat("sim::Network: link ", l, " has bandwidth ", bandwidth[l], " and latency ", latency[l],
+      throw std::logic_error(str_cat("sim::Network: link ", l, " has bandwidth ", bandwidth[l], " and latency ", latency[l],
                                  " (need > 0 and >= 0)"));
     }
     links_[l].bandwidth = bandwidth[l];
@@ -68,7 +62,7 @@ Network::Network(std::vector<double> bandwidth, std::vector<double> latency) {
 int Network::start_flow(std::vector<int> path, double bytes) {
   double alpha = 0;
   for (int l : path) {
-    if (l < 0 || l >= n_links()) throw std::logic_error(cat("sim::Network::start_flow: link ", l, " out of range"));
+    if (l < 0 || l >= n_links()) throw std::logic_error(str_cat("sim::Network::start_flow: link ", l, " out of range"));
     alpha += links_[l].latency;
   }
   return start_flow(std::move(path), bytes, alpha);
@@ -77,13 +71,13 @@ int Network::start_flow(std::vector<int> path, double bytes) {
 int Network::start_flow(std::vector<int> path, double bytes, double alpha) {
   if (!std::isfinite(bytes) || bytes < 0 || !std::isfinite(alpha) || alpha < 0) {
     throw std::logic_error(
-        cat("sim::Network::start_flow: bytes (", bytes, ") and alpha (", alpha, ") must be finite and >= 0"));
+        str_cat("sim::Network::start_flow: bytes (", bytes, ") and alpha (", alpha, ") must be finite and >= 0"));
   }
   ++epoch_;
   for (int l : path) {
-    if (l < 0 || l >= n_links()) throw std::logic_error(cat("sim::Network::start_flow: link ", l, " out of range"));
+    if (l < 0 || l >= n_links()) throw std::logic_error(str_cat("sim::Network::start_flow: link ", l, " out of range"));
     if (link_mark_[l] == epoch_)
-      throw std::logic_error(cat("sim::Network::start_flow: link ", l, " twice in the path"));
+      throw std::logic_error(str_cat("sim::Network::start_flow: link ", l, " twice in the path"));
     link_mark_[l] = epoch_;
   }
   int id;
@@ -138,7 +132,7 @@ std::vector<int> Network::advance(double t) {
   const double next = next_event_time();
   if (!(t >= now_) || t > next) {
     throw std::logic_error(
-        cat("sim::Network::advance: t (", t, ") must be in [now (", now_, "), next event (", next, ")]"));
+        str_cat("sim::Network::advance: t (", t, ") must be in [now (", now_, "), next event (", next, ")]"));
   }
   now_ = t;
   std::vector<int> ended;  // popped in (time, id) order, and every popped time is t: ascending ids
@@ -178,7 +172,7 @@ std::vector<int> Network::advance(double t) {
 }
 
 void Network::check_flow(const char* fn, int flow) const {
-  if (!live(flow)) throw std::logic_error(cat("sim::Network::", fn, ": flow ", flow, " is not live"));
+  if (!live(flow)) throw std::logic_error(str_cat("sim::Network::", fn, ": flow ", flow, " is not live"));
 }
 
 double Network::rate(int flow) {
