@@ -116,6 +116,68 @@ void expect_same_run(const std::string& label, const TrainRun& ref, const TrainR
   EXPECT_LT(worst, kLossTol) << label;
 }
 
+// The metrics lines of a run (JSON lines with a "loss", not the validation lines).
+std::vector<nlohmann::json> step_metrics(const fs::path& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(j);
+  }
+  return out;
+}
+
+// DESIGN invariant 1 across strategies: Hecate (sparse materialization before the gate, calibration
+// after it, with and without re-materialization) and FasterMoE (shadowing after the gate) move expert
+// weights and tokens to other ranks than EP does, and must still train the same model. The router
+// skew makes the load uneven enough that both really replicate (asserted from their metrics).
+TEST_F(Distributed, SameMathAcrossStrategies) {
+  const std::string args = model_flags() + "--top-k 2 --router-skew 1.5 --steps 6 --warmup-steps 2 ";
+  TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string());
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  struct Case {
+    std::string strategy;
+    int ranks;
+  };
+  const std::string hecate = "hecate --overlap-degree 2 --replica-slots 2";
+  std::map<std::string, int64_t> replicas_peak;
+  for (const Case& c : {Case{hecate, 2}, Case{hecate + " --rematerialize", 2}, Case{"fastermoe --gemm-gflops 1", 2},
+                        Case{"ep", 4}, Case{hecate, 4}, Case{hecate + " --rematerialize", 4},
+                        Case{"fastermoe --gemm-gflops 1", 4}}) {
+    const std::string label = c.strategy + std::string(" on ").append(std::to_string(c.ranks)).append(" ranks");
+    SCOPED_TRACE(label);
+    const fs::path ck = dir_ / std::string("c").append(std::to_string(c.ranks)), metrics = dir_ / "metrics.jsonl";
+    fs::remove(metrics);
+    TrainRun r = train(c.ranks, args + "--strategy " + c.strategy + " --metrics " + metrics.string() +
+                                    " --checkpoint-dir " + ck.string());
+    expect_same_run(label + " vs one process", ref, r);
+    if (r.exit_code != 0) continue;
+    EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
+    int64_t replicas = 0, sparse_bytes = 0, peak = 0;
+    for (const nlohmann::json& m : step_metrics(metrics)) {
+      EXPECT_EQ(m.at("strategy"), c.strategy.substr(0, c.strategy.find(' ')));
+      replicas += m.at("replicas").get<int64_t>();
+      sparse_bytes += m.at("sparse_bytes").get<int64_t>();
+      peak = std::max(peak, m.at("memory_bytes").at("replicas_peak").get<int64_t>());
+    }
+    if (c.strategy == "ep") {
+      EXPECT_EQ(replicas, 0);
+      EXPECT_EQ(sparse_bytes, 0);
+    } else {
+      EXPECT_GT(replicas, 0) << "the strategy never replicated an expert: the test would prove nothing";
+      EXPECT_GT(sparse_bytes, 0);
+      EXPECT_GT(peak, 0);
+    }
+    replicas_peak[label] = peak;
+    fs::remove_all(ck);
+  }
+  // Re-materialization holds one MoE layer's replicas at a time instead of both layers'.
+  for (int ranks : {2, 4}) {
+    const std::string n = std::string(" on ").append(std::to_string(ranks)).append(" ranks");
+    EXPECT_LT(replicas_peak[hecate + " --rematerialize" + n], replicas_peak[hecate + n]) << n;
+  }
+}
+
 TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
   // top-2 GShard gate, dropless, and top-1 Switch with SwiGLU, a skewed router and a capacity that
   // drops tokens (capacity is defined on the global batch, so dropping must not depend on the rank

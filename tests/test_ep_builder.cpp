@@ -2,6 +2,7 @@
 // and that its gradient buckets cover exactly the parameters a rank holds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -144,3 +145,59 @@ TEST(EpBuilder, RejectsGroupsThatDoNotDivide) {
 }
 
 }  // namespace
+
+namespace {
+// The kinds of a stream's ops for block `layer`, in FIFO order.
+std::vector<OpKind> lane_kinds(const moe::graph::StepGraph& g, int stream, int layer) {
+  std::vector<OpKind> k;
+  for (const Op& op : g.ops)
+    if (op.stream == stream && op.layer == layer) k.push_back(op.kind);
+  return k;
+}
+bool depends_on(const Op& op, const Op* dep) {
+  return dep && std::find(op.deps.begin(), op.deps.end(), dep->id) != op.deps.end();
+}
+}  // namespace
+
+TEST(EpBuilder, ReplicaGathersSitOnTheAllToAllLaneAroundTheExchanges) {
+  moe::graph::EpStepOptions opt{4, 4, 2, 1 << 20};
+  opt.gather_before_gate = opt.gather_after_gate = opt.rematerialize = true;
+  moe::graph::EpStep s = moe::graph::build_ep_step(small_model(), opt);
+  ASSERT_TRUE(s.graph.validate());
+  std::vector<OpKind> want;
+  for (OpKind k : {OpKind::materialize, OpKind::gate_sync, OpKind::materialize_placed, OpKind::dispatch_a2a,
+                   OpKind::combine_a2a, OpKind::rematerialize, OpKind::combine_a2a_bwd, OpKind::dispatch_a2a_bwd,
+                   OpKind::replica_grad_reduce})
+    want.push_back(k);
+  EXPECT_EQ(lane_kinds(s.graph, moe::graph::kA2aStream, 0), want);
+  EXPECT_TRUE(lane_kinds(s.graph, moe::graph::kA2aStream, 1).empty());  // the dense block
+  // The forward gather waits for nothing (it runs behind attn_fwd); expert_fwd waits for both gathers;
+  // place runs after gate_sync and before dispatch; expert_bwd waits for the re-gather; the gradient
+  // reduction waits for expert_bwd only.
+  const Op* gather = find(s.graph, OpKind::materialize, 0);
+  ASSERT_NE(gather, nullptr);
+  EXPECT_TRUE(gather->deps.empty());
+  EXPECT_EQ(gather->collective, moe::graph::Collective::sparse_allgather);
+  const Op* expert = find(s.graph, OpKind::expert_fwd, 0);
+  EXPECT_TRUE(depends_on(*expert, gather));
+  EXPECT_TRUE(depends_on(*expert, find(s.graph, OpKind::materialize_placed, 0)));
+  const Op* place = find(s.graph, OpKind::place, 0);
+  ASSERT_NE(place, nullptr);
+  EXPECT_TRUE(depends_on(*place, find(s.graph, OpKind::gate_sync, 0)));
+  EXPECT_TRUE(depends_on(*find(s.graph, OpKind::dispatch_fwd, 0), place));
+  EXPECT_TRUE(depends_on(*find(s.graph, OpKind::expert_bwd, 0), find(s.graph, OpKind::rematerialize, 0)));
+  const Op* reduce = find(s.graph, OpKind::replica_grad_reduce, 0);
+  ASSERT_NE(reduce, nullptr);
+  EXPECT_EQ(reduce->deps, std::vector<int>{find(s.graph, OpKind::expert_bwd, 0)->id});
+  EXPECT_EQ(reduce->collective, moe::graph::Collective::sparse_reduce_scatter);
+  // Without the options the graph has none of these ops (EP).
+  moe::graph::EpStep ep = moe::graph::build_ep_step(small_model(), {4, 4, 2, 1 << 20});
+  for (const Op& op : ep.graph.ops)
+    EXPECT_TRUE(op.kind != OpKind::materialize && op.kind != OpKind::place && op.kind != OpKind::replica_grad_reduce);
+}
+
+TEST(EpBuilder, ReplicaGathersNeedOneExpertParallelGroup) {
+  moe::graph::EpStepOptions opt{4, 2, 2, 1 << 20};
+  opt.gather_before_gate = true;
+  EXPECT_THROW(moe::graph::build_ep_step(small_model(), opt), std::invalid_argument);
+}

@@ -87,7 +87,7 @@ class Builder {
   }
 
   // An exchange on the all-to-all lane; sizes are filled in at run time (the gate decides them).
-  int exchange(OpKind kind, Collective c, Group g, int64_t layer, int dep) {
+  int exchange(OpKind kind, Collective c, Group g, int64_t layer, std::vector<int> deps) {
     Op op;
     op.kind = kind;
     op.collective = c;
@@ -95,8 +95,17 @@ class Builder {
     op.layer = static_cast<int>(layer);
     op.stream = kA2aStream;
     op.priority = kA2aPriority;
-    op.deps = {dep};
+    op.deps = std::move(deps);
     return step_.graph.add(std::move(op));
+  }
+  int exchange(OpKind kind, Collective c, Group g, int64_t layer, int dep) {
+    return exchange(kind, c, g, layer, std::vector<int>{dep});
+  }
+  std::vector<int> deps(std::initializer_list<int> ids) {  // the ids >= 0
+    std::vector<int> d;
+    for (int id : ids)
+      if (id >= 0) d.push_back(id);
+    return d;
   }
 
   // Sums a bucket's gradients on the allreduce lane once `dep` ended, cut into micro-ops.
@@ -134,11 +143,21 @@ class Builder {
       const double flops = cfg_.is_moe_layer(l) ? 2 * N * C * E + expert_flops : 2 * ffn_mats * N * C * F;
       return compute(OpKind::ffn_fwd, l, {x}, flops, 4 * N * (4 * C + 2 * F));
     }
+    // No dependency: the lane's FIFO starts it once the previous block's exchanges are done, so it
+    // runs behind attn_fwd(l); its sizes are filled in when it runs (the plan is made before the step).
+    const int gather = opt_.gather_before_gate
+                           ? exchange(OpKind::materialize, Collective::sparse_allgather, Group::ep, l, std::vector<int>{})
+                           : -1;
     x = compute(OpKind::gate_fwd, l, {x}, 2 * N * C * E, 4 * N * (C + 2 * E));
     x = exchange(OpKind::gate_sync, Collective::allgather, Group::world, l, x);
+    int placed_gather = -1;
+    if (opt_.gather_after_gate) {
+      x = compute(OpKind::place, l, {x}, 0, 0);
+      placed_gather = exchange(OpKind::materialize_placed, Collective::sparse_allgather, Group::ep, l, x);
+    }
     x = compute(OpKind::dispatch_fwd, l, {x}, 0, 4 * 2 * N * K * C);
     x = exchange(OpKind::dispatch_a2a, Collective::alltoallv, Group::ep, l, x);
-    x = compute(OpKind::expert_fwd, l, {x}, expert_flops, 4 * N * K * (4 * C + 3 * F));
+    x = compute(OpKind::expert_fwd, l, deps({x, gather, placed_gather}), expert_flops, 4 * N * K * (4 * C + 3 * F));
     x = exchange(OpKind::combine_a2a, Collective::alltoallv, Group::ep, l, x);
     return compute(OpKind::combine_fwd, l, {x}, 2 * N * K * C, 4 * (N * K * C + 2 * N * C));
   }
@@ -158,10 +177,18 @@ class Builder {
       dense.elements += experts.elements;
     } else {
       x = compute(OpKind::combine_bwd, l, {x}, 2 * N * K * C, 4 * (N * K * C + 2 * N * C));
+      // As the forward gather: no dependency (the lane is past this block's forward, whose
+      // expert_fwd freed the replicas), so it runs behind the backward of the blocks above.
+      const int regather = opt_.rematerialize ? exchange(OpKind::rematerialize, Collective::sparse_allgather,
+                                                         Group::ep, l, std::vector<int>{})
+                                              : -1;
       x = exchange(OpKind::combine_a2a_bwd, Collective::alltoallv, Group::ep, l, x);
-      x = compute(OpKind::expert_bwd, l, {x}, expert_flops, 8 * N * K * (4 * C + 3 * F));
+      x = compute(OpKind::expert_bwd, l, deps({x, regather}), expert_flops, 8 * N * K * (4 * C + 3 * F));
       allreduce(experts, x, l);
+      const int expert_grads = x;
       x = exchange(OpKind::dispatch_a2a_bwd, Collective::alltoallv, Group::ep, l, x);
+      if (gathers_replicas(opt_))
+        exchange(OpKind::replica_grad_reduce, Collective::sparse_reduce_scatter, Group::ep, l, expert_grads);
       x = compute(OpKind::gate_bwd, l, {x}, 4 * N * C * E, 4 * N * (2 * C + 3 * E));
     }
     x = compute(OpKind::attn_bwd, l, {x}, 4 * N * C * 4 * C + 4 * 2 * N * T * C, 8 * N * (8 * C + 2 * T));
@@ -178,6 +205,10 @@ class Builder {
 
 }  // namespace
 
+bool gathers_replicas(const EpStepOptions& opt) {
+  return opt.gather_before_gate || opt.gather_after_gate || opt.rematerialize;
+}
+
 EpStep build_ep_step(const ModelConfig& cfg, const EpStepOptions& opt) {
   if (Status s = cfg.validate(); !s) throw std::invalid_argument("build_ep_step: " + s.message());
   if (opt.world < 1 || opt.ep_size < 1 || opt.world % opt.ep_size != 0 || cfg.n_experts % opt.ep_size != 0 ||
@@ -185,6 +216,8 @@ EpStep build_ep_step(const ModelConfig& cfg, const EpStepOptions& opt) {
     throw std::invalid_argument("build_ep_step: ep_size (" + std::to_string(opt.ep_size) +
                                 ") must divide the ranks (" + std::to_string(opt.world) + ") and n_experts (" +
                                 std::to_string(cfg.n_experts) + "), batch >= 1");
+  if (gathers_replicas(opt) && opt.ep_size != opt.world)
+    throw std::invalid_argument("build_ep_step: replica gathers need one expert-parallel group of every rank");
   return Builder(cfg, opt).build();
 }
 

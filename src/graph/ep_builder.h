@@ -36,7 +36,19 @@ struct EpStepOptions {
   int64_t batch = 1;      // sequences per rank
   // Gradient allreduce is cut into micro-ops of at most this many bytes (0: one op per bucket).
   int64_t allreduce_micro_bytes = 1 << 20;
+  // Placement strategies (MoeLayer::enable_placements: experts held by more ranks than their owner,
+  // Hecate and FasterMoE). REQUIRES: ep_size == world when any is set. Their ops run on the
+  // all-to-all lane, in its FIFO order:
+  //   forward   [materialize] gate_sync [materialize_placed] dispatch_a2a combine_a2a
+  //   backward  [rematerialize] combine_a2a_bwd dispatch_a2a_bwd [replica_grad_reduce]
+  // so a forward gather runs while attn_fwd(l) computes, and the gradient reduction and the next
+  // layer's re-gather while gate_bwd(l) and attn_bwd(l) compute.
+  bool gather_before_gate = false;  // materialize(l): the replicas planned before the step (Hecate)
+  bool gather_after_gate = false;   // place(l) after gate_sync(l), then materialize_placed(l)
+  bool rematerialize = false;       // replicas freed after expert_fwd(l), gathered again for expert_bwd(l)
 };
+
+bool gathers_replicas(const EpStepOptions& opt);  // any of the placement options set
 
 // The stream indices of an EP graph (streams absent with one rank).
 inline constexpr int kComputeStream = 0, kA2aStream = 1, kAllreduceStream = 2;

@@ -27,6 +27,7 @@ const char* op_kind_name(OpKind k) {
     case OpKind::attn_bwd: return "attn_bwd";
     case OpKind::embed_bwd: return "embed_bwd";
     case OpKind::optimizer: return "optimizer";
+    case OpKind::place: return "place";
     case OpKind::custom: return "custom";
     case OpKind::gate_sync: return "gate_sync";
     case OpKind::dispatch_a2a: return "dispatch_a2a";
@@ -34,6 +35,10 @@ const char* op_kind_name(OpKind k) {
     case OpKind::combine_a2a_bwd: return "combine_a2a_bwd";
     case OpKind::dispatch_a2a_bwd: return "dispatch_a2a_bwd";
     case OpKind::grad_allreduce: return "grad_allreduce";
+    case OpKind::materialize: return "materialize";
+    case OpKind::materialize_placed: return "materialize_placed";
+    case OpKind::rematerialize: return "rematerialize";
+    case OpKind::replica_grad_reduce: return "replica_grad_reduce";
     case OpKind::custom_comm: return "custom_comm";
   }
   return "?";
@@ -51,6 +56,8 @@ const char* collective_name(Collective c) {
     case Collective::broadcast: return "broadcast";
     case Collective::reduce: return "reduce";
     case Collective::sendrecv: return "sendrecv";
+    case Collective::sparse_allgather: return "sparse_allgather";
+    case Collective::sparse_reduce_scatter: return "sparse_reduce_scatter";
   }
   return "?";
 }

@@ -53,6 +53,8 @@ enum class OpKind : uint8_t {
   attn_bwd,          // block l: norm2, proj, attention, qkv, norm1 backward
   embed_bwd,
   optimizer,         // clip + AdamW over every parameter
+  place,             // block l: a planner that sees this step's routed counts (FasterMoE shadowing,
+                     // Hecate's calibration) and may add replicas to the layer's placement
   custom,            // hand-built graphs (tests, benchmarks)
   // communication
   gate_sync,         // block l: loss statistics and per-expert counts shared over the EP group
@@ -61,13 +63,22 @@ enum class OpKind : uint8_t {
   combine_a2a_bwd,   // block l backward: output gradients to the experts' ranks
   dispatch_a2a_bwd,  // block l backward: input-row gradients back to the tokens' ranks
   grad_allreduce,    // gradients summed over the replicas of a parameter (a micro-op of a bucket)
+  materialize,       // block l forward: SparseAllGather of the planned expert replicas, before the gate
+  materialize_placed,  // block l forward: SparseAllGather of the replicas `place` added
+  rematerialize,     // block l backward: the replicas gathered again (they were freed after forward)
+  replica_grad_reduce,  // block l backward: SparseReduceScatter of replica gradients into the owners
   custom_comm,
 };
 const char* op_kind_name(OpKind k);  // "attn_fwd", "dispatch_a2a", ...
 bool is_communication(OpKind k);
 
 // The collective an op performs (none for compute): what the simulator decomposes into flows.
-enum class Collective : uint8_t { none, alltoallv, allreduce, allgather, reduce_scatter, broadcast, reduce, sendrecv };
+// sparse_allgather / sparse_reduce_scatter: Hecate's (comm/sparse_collectives.h), broadcast / reduce
+// trees of expert chunks over point-to-point messages; peer_bytes as for alltoallv.
+enum class Collective : uint8_t {
+  none, alltoallv, allreduce, allgather, reduce_scatter, broadcast, reduce, sendrecv, sparse_allgather,
+  sparse_reduce_scatter
+};
 const char* collective_name(Collective c);
 
 // The group a collective spans. world: every rank; ep: the ranks that together hold one copy of every

@@ -120,6 +120,10 @@ class Model {
   // the whole batch's loss. Defaults: no group, scale 1 (one process, the whole batch).
   void set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch = nullptr);
   void set_ce_grad_scale(float s) { ce_grad_scale_ = s; }
+  // Placement strategies: every MoE layer may hold expert replicas (MoeLayer::enable_placements),
+  // accounted together in replica_memory(). REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks.
+  void enable_placements(const plan::Nodes& nodes);
+  ReplicaMemory& replica_memory() { return replica_memory_; }
 
  private:
   struct Block;
@@ -132,6 +136,7 @@ class Model {
 
   ModelConfig cfg_;
   int64_t max_batch_;
+  ReplicaMemory replica_memory_;
   std::vector<std::unique_ptr<Param>> owned_;  // parameters created here (not the MoE layers')
   std::vector<Param*> params_;                 // all parameters, documented order
   Param* wte_ = nullptr;    // [V,C]

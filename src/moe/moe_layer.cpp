@@ -180,6 +180,9 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
 }
 
 void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
+  // In one call (evaluation, tests) tokens go to the replicas held now: a step's planned replicas are
+  // gathered by the runtime's materialize ops, not here.
+  if (placed_) placement_ = held_;
   ep_gate(x, N);
   ep_gate_sync();
   ep_dispatch();
@@ -193,6 +196,7 @@ void MoeLayer::backward_ep(float* dx, const float* dy) {
   ep_combine_bwd(dy);
   ep_combine_a2a_bwd();
   ep_experts_bwd();
+  if (placed_) ep_reduce_replica_grads();
   ep_dispatch_a2a_bwd();
   ep_gate_bwd(dx);
 }
@@ -246,6 +250,7 @@ void MoeLayer::ep_dispatch() {
   z_loss_ = Ng ? static_cast<float>(stats_[E] / Ng) : 0.0f;
   layout_build(routing_, expert_capacity(cfg_.capacity_factor, Ng, K, E), layout_scratch_.data(), prior_.data());
   dispatch_forward(xp_.data(), x_, routing_, C);
+  if (placed_) return placed_dispatch();
   // Rows this rank sends each group rank: its kept rows of that rank's experts (contiguous, as the
   // layout orders rows by expert).
   const int64_t P = ep_->size(), El = E / P;
@@ -257,6 +262,7 @@ void MoeLayer::ep_dispatch() {
 }
 
 void MoeLayer::ep_dispatch_a2a() {
+  if (placed_) return placed_dispatch_a2a();
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), El = E / P;
   // how many rows come from where: every rank's kept rows per expert, to the experts' owners
   check(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
@@ -273,6 +279,7 @@ void MoeLayer::ep_dispatch_a2a() {
 }
 
 void MoeLayer::ep_experts() {
+  if (placed_) return placed_experts();
   const int64_t C = cfg_.d_model, F = cfg_.d_ffn, E = cfg_.n_experts, P = ep_->size(), El = E / P;
   const int64_t recv_rows = expert_rows_;
   // source-major -> expert-major permutation: rows of one expert from every source, in source order
@@ -300,6 +307,7 @@ void MoeLayer::ep_experts() {
 }
 
 void MoeLayer::ep_combine_a2a() {
+  if (placed_) return placed_combine_a2a();
   check(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
 }
 
@@ -311,10 +319,12 @@ void MoeLayer::ep_combine_bwd(const float* dy) {
 }
 
 void MoeLayer::ep_combine_a2a_bwd() {
+  if (placed_) return placed_combine_a2a_bwd();
   check(ep_->alltoallv(dout_p_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
 }
 
 void MoeLayer::ep_experts_bwd() {
+  if (placed_) return placed_experts_bwd();
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, F = cfg_.d_ffn, P = ep_->size();
   const int64_t El = E / P, rows = expert_rows_;
   const bool swiglu = cfg_.activation == Activation::swiglu;
@@ -327,6 +337,7 @@ void MoeLayer::ep_experts_bwd() {
 }
 
 void MoeLayer::ep_dispatch_a2a_bwd() {
+  if (placed_) return placed_dispatch_a2a_bwd();
   check(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, dxp_.data(), send_counts_, send_displs_));
 }
 

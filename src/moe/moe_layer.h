@@ -21,10 +21,12 @@
 //   (defined on the whole batch, so it does not depend on how ranks split it: DESIGN invariant 1).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "plan/placement.h"
 #include "tensor/tensor.h"
 
 namespace moe {
@@ -62,6 +64,19 @@ struct Routing {
   std::vector<int64_t> tokens_per_expert;  // [E] assignments kept per expert (the load statistic)
   int64_t dropped = 0;                 // assignments dropped by capacity
   int64_t rows() const { return expert_offset.empty() ? 0 : expert_offset.back(); }
+};
+
+// Bytes of materialized expert replicas (weights + gradient buffers) held now by all the MoE layers
+// that share it, and the peak since reset_peak(). Updated from whichever thread (de)allocates.
+class ReplicaMemory {
+ public:
+  void add(int64_t bytes);
+  int64_t now() const { return now_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(now_.load()); }
+
+ private:
+  std::atomic<int64_t> now_{0}, peak_{0};
 };
 
 // Parameters (names relative to `prefix`, e.g. "blocks.0.moe."):
@@ -128,6 +143,46 @@ class MoeLayer {
   // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
   int64_t expert_rows() const { return expert_rows_; }
 
+  // ---- placements: experts held this step by more ranks than their owner (Hecate, FasterMoE) ----
+  // With placements enabled, a step may hold extra replicas of experts (plan::LayerPlacement: the
+  // owners are this layer's expert-parallel shards, replicas[e] ⊇ {owner[e]}). Tokens then go where
+  // plan::dispatch_plan sends them (a replica on the token's rank, else on its node, else any, spread
+  // evenly); a replica's weights come from its owner by SparseAllGather (ep_materialize) and its
+  // gradient goes back, summed into the owner's, by SparseReduceScatter (ep_reduce_replica_grads).
+  // The mathematics is that of EP (DESIGN invariant 1); only rows move and the order of some float
+  // sums changes. Without extra replicas the step is EP's with the dispatch computed locally.
+  // REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks (one copy of every expert over the
+  // batch group); nodes has one entry per ep rank; called before the first step.
+  // memory: where this layer accounts its replica buffers (may be shared by layers; outlives the layer).
+  void enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory);
+  bool placements_enabled() const { return placed_; }
+  const plan::LayerPlacement& owners() const { return owners_; }  // replicas == {owner}
+  // The placement for the rest of this step: before ep_dispatch (e.g. from predicted loads, then
+  // ep_materialize behind the attention), or after ep_gate_sync from routed_counts() (FasterMoE,
+  // Hecate's calibration), then ep_materialize again. The same value on every rank (invariant 2).
+  // REQUIRES: placements enabled; p.validate() ok, p.owner == owners().owner, and p holds every
+  // replica materialized since the last release_replicas (std::logic_error).
+  void set_placement(const plan::LayerPlacement& p);
+  const plan::LayerPlacement& placement() const { return placement_; }
+  // Communication (ep group): replicas of placement() not held yet arrive from their owners (or from
+  // ranks that already got them). A no-op when nothing is missing.
+  void ep_materialize();
+  // Communication (ep group): every replica's weight gradient summed into its owner's (after
+  // ep_experts_bwd). The replicas' own gradient buffers are left unspecified.
+  void ep_reduce_replica_grads();
+  // Drops the materialized replicas (placement() is kept, so ep_materialize gathers them again).
+  // free_memory: give their buffers back (re-materialization); else keep them for the next step.
+  void release_replicas(bool free_memory);
+  // Assignments each rank of the ep group routes to each expert this step after capacity dropping,
+  // [R][E]. Valid after ep_gate_sync (computed from the synced counts, the same on every rank).
+  std::vector<std::vector<int64_t>> routed_counts() const;
+  // Bytes this rank sent to each ep rank in the last ep_materialize / ep_reduce_replica_grads.
+  const std::vector<int64_t>& sparse_peer_bytes() const { return sparse_peer_bytes_; }
+  // Bytes this rank sent + received in sparse collectives since the last call (then reset).
+  int64_t take_sparse_bytes();
+  // Bytes held in this layer's replica weights and gradient buffers now.
+  int64_t replica_bytes() const { return replica_bytes_; }
+
  private:
   MoeConfig cfg_;
   int64_t max_tokens_;
@@ -164,6 +219,33 @@ class MoeLayer {
   // Rows received for my experts (up to P*max_tokens*K): source-major (as the alltoallv delivers
   // them) and expert-major (one contiguous block per local expert, for the GEMMs).
   Tensor xr_, xe_, ye_, yr_, dr_, de_, dxe_, dxr_;
+
+  // ---- placements (see enable_placements); implemented in moe_layer_placed.cpp ----
+  void placed_dispatch();
+  void placed_dispatch_a2a();
+  void placed_experts();
+  void placed_combine_a2a();
+  void placed_combine_a2a_bwd();
+  void placed_experts_bwd();
+  void placed_dispatch_a2a_bwd();
+  int64_t held_experts() const;                 // owned + replica experts this step
+  void ensure_replica_slots(int64_t slots);     // grows the slot buffers, keeping their contents
+  std::vector<float*> chunk_pointers(bool grads);  // [W*E] see ep_materialize
+  bool placed_ = false;
+  plan::Nodes nodes_;
+  plan::LayerPlacement owners_, placement_, held_;  // held_: materialized now
+  std::vector<int> replica_expert_;             // [S] the expert in each used replica slot, in gather order
+  std::vector<int> released_order_;             // replica_expert_ at the last release_replicas
+  // Replica slots: weights rw1_ [S,F,C], rw2_ [S,C,F], rw3_ [S,F,C] (SwiGLU) and their gradients.
+  Tensor rw1_, rw2_, rw3_, rg1_, rg2_, rg3_;
+  int64_t slot_capacity_ = 0;
+  std::vector<std::vector<std::vector<int64_t>>> rows_;  // [R][E][R] dispatch_plan of this step
+  std::vector<int32_t> send_perm_, inv_send_perm_;  // destination-major row i <- expert-major row send_perm_[i]
+  Tensor xs_;                                   // [NK,C] rows in destination-major order
+  std::vector<float> reduce_scratch_;
+  std::vector<int64_t> sparse_peer_bytes_;
+  int64_t sparse_bytes_ = 0, replica_bytes_ = 0;
+  ReplicaMemory* memory_ = nullptr;
 };
 
 }  // namespace moe

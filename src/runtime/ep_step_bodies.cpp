@@ -12,8 +12,8 @@ namespace moe::runtime {
 using graph::Op;
 using graph::OpKind;
 
-EpStepBodies::EpStepBodies(Model& model, const graph::EpStep& step, GradComms comms)
-    : model_(model), step_(step), comms_(comms) {
+EpStepBodies::EpStepBodies(Model& model, const graph::EpStep& step, GradComms comms, PlacementHooks hooks)
+    : model_(model), step_(step), comms_(comms), hooks_(std::move(hooks)) {
   std::map<std::string, Param*> by_name;
   for (Param* p : model.params()) by_name[p->name] = p;
   for (const graph::GradBucket& gb : step.buckets) {
@@ -59,6 +59,11 @@ Status EpStepBodies::run(Op& op) {
     op.cost.bytes = moe->ep_bytes_out(to_experts);
     op.cost.peer_bytes = moe->ep_peer_bytes(to_experts);
   };
+  auto sparse_cost = [&]() {
+    op.cost.peer_bytes = moe->sparse_peer_bytes();
+    op.cost.bytes = 0;
+    for (int64_t b : op.cost.peer_bytes) op.cost.bytes += b;
+  };
   auto expert_flops = [&](double passes) {
     const MoeConfig& c = moe->config();
     const double mats = c.activation == Activation::swiglu ? 3 : 2;
@@ -78,6 +83,7 @@ Status EpStepBodies::run(Op& op) {
     case OpKind::expert_fwd:
       expert_flops(1);
       moe->ep_experts();
+      if (hooks_.rematerialize) moe->release_replicas(true);
       break;
     case OpKind::combine_a2a:
       exchange_cost(false);
@@ -104,6 +110,20 @@ Status EpStepBodies::run(Op& op) {
     case OpKind::attn_bwd: model_.attn_backward(l); break;
     case OpKind::embed_bwd: model_.embed_backward(); break;
     case OpKind::grad_allreduce: return allreduce(op);
+    case OpKind::place:
+      if (!hooks_.place) throw std::logic_error("EpStepBodies: the graph has place ops but no planner was given");
+      return hooks_.place(l);
+    case OpKind::materialize:
+    case OpKind::materialize_placed:
+    case OpKind::rematerialize:
+      moe->ep_materialize();
+      sparse_cost();
+      break;
+    case OpKind::replica_grad_reduce:
+      moe->ep_reduce_replica_grads();
+      sparse_cost();
+      moe->release_replicas(hooks_.rematerialize);
+      break;
     default: throw std::logic_error(std::string("EpStepBodies: no body for ") + graph::op_kind_name(op.kind));
   }
   return Status::ok();

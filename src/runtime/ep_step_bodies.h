@@ -3,6 +3,7 @@
 // an op runs; this decides what it does.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -21,11 +22,19 @@ struct GradComms {
   comm::Communicator* grad_dp = nullptr;
 };
 
+// What the placement ops need from the strategy (graph/ep_builder.h, "placement strategies").
+struct PlacementHooks {
+  // The body of place(l): may call MoeLayer::set_placement on block l's layer from its routed_counts().
+  std::function<Status(int64_t layer)> place;
+  // Replicas are freed after expert_fwd(l) and after replica_grad_reduce(l) (else kept for reuse).
+  bool rematerialize = false;
+};
+
 class EpStepBodies {
  public:
   // REQUIRES: step was built for model's config, and every bucket's parameters exist in model; the
   // model, step and communicators outlive this object.
-  EpStepBodies(Model& model, const graph::EpStep& step, GradComms comms);
+  EpStepBodies(Model& model, const graph::EpStep& step, GradComms comms, PlacementHooks hooks = {});
 
   // Runs op (an OpBody for Executor::run). Communication failures come back as the communicator's
   // Status (naming the rank); the MoE layer's exchanges throw, which the Executor turns into a Status.
@@ -42,6 +51,7 @@ class EpStepBodies {
   Model& model_;
   const graph::EpStep& step_;
   GradComms comms_;
+  PlacementHooks hooks_;
   std::vector<Bucket> buckets_;  // same order as step_.buckets
 };
 

@@ -1,5 +1,6 @@
 #include "runtime/train_config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -20,6 +21,9 @@ Status read_key(const json& j, const char* key, T* v) {
   if constexpr (std::is_same_v<T, std::string>) {
     if (!x.is_string()) return Status::error(std::string("config: '") + key + "' must be a string");
     *v = x.get<std::string>();
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!x.is_boolean()) return Status::error(std::string("config: '") + key + "' must be true or false");
+    *v = x.get<bool>();
   } else if constexpr (std::is_integral_v<T>) {
     if (!x.is_number_integer()) return Status::error(std::string("config: '") + key + "' must be an integer");
     if constexpr (std::is_unsigned_v<T>) {
@@ -58,6 +62,14 @@ Status TrainConfig::validate() const {
   if (ranks_per_node < 0) return fail("ranks_per_node must be >= 0 (0: as MPI finds them)");
   if (allreduce_micro_kb < 0) return fail("allreduce_micro_kb must be >= 0 (0: no micro-ops)");
   if (trace_steps < 1) return fail("trace_steps must be >= 1");
+  if (strategy != "ep" && strategy != "hecate" && strategy != "fastermoe")
+    return fail("strategy '" + strategy + "' is not one of ep, hecate, fastermoe");
+  if (rematerialize && strategy != "hecate") return fail("rematerialize applies to strategy hecate only");
+  if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");
+  if (overlap_degree < -1) return fail("overlap_degree must be >= 0 (-1: from the measured attention time)");
+  if (load_window < 1) return fail("load_window must be >= 1");
+  if (!(link_gbs > 0) || !std::isfinite(link_gbs)) return fail("link_gbs must be > 0");
+  if (!(gemm_gflops > 0) || !std::isfinite(gemm_gflops)) return fail("gemm_gflops must be > 0");
   if (stop_at_step < 0 || stop_at_step > steps)
     return fail("stop_at_step (" + std::to_string(stop_at_step) + ") must be in [0, steps]");
   namespace fs = std::filesystem;
@@ -104,6 +116,13 @@ json TrainConfig::to_json() const {
               {"allreduce_micro_kb", allreduce_micro_kb},
               {"trace", trace},
               {"trace_steps", trace_steps},
+              {"strategy", strategy},
+              {"rematerialize", rematerialize},
+              {"replica_slots", replica_slots},
+              {"overlap_degree", overlap_degree},
+              {"load_window", load_window},
+              {"link_gbs", link_gbs},
+              {"gemm_gflops", gemm_gflops},
               {"model", model.to_json()}};
 }
 
@@ -114,7 +133,9 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "grad_clip", "beta1", "beta2", "seed", "val_fraction", "log_every", "eval_every",
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
                                 "stop_at_step", "threads", "comm_timeout_s", "ranks_per_node",
-                                "allreduce_micro_kb", "trace", "trace_steps", "model"};
+                                "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
+                                "replica_slots", "overlap_degree", "load_window", "link_gbs", "gemm_gflops",
+                                "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -135,7 +156,10 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "threads", &c.threads)) && (s = read_key(j, "comm_timeout_s", &c.comm_timeout_s)) &&
       (s = read_key(j, "ranks_per_node", &c.ranks_per_node)) &&
       (s = read_key(j, "allreduce_micro_kb", &c.allreduce_micro_kb)) && (s = read_key(j, "trace", &c.trace)) &&
-      (s = read_key(j, "trace_steps", &c.trace_steps))) {
+      (s = read_key(j, "trace_steps", &c.trace_steps)) && (s = read_key(j, "strategy", &c.strategy)) &&
+      (s = read_key(j, "rematerialize", &c.rematerialize)) && (s = read_key(j, "replica_slots", &c.replica_slots)) &&
+      (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
+      (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops))) {
   }
   if (!s) return s;
   if (auto it = j.find("model"); it != j.end()) {

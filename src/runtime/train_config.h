@@ -46,6 +46,17 @@ struct TrainConfig {
   int64_t allreduce_micro_kb = 256;  // gradient allreduce micro-op size (KiB); 0 = one op per bucket
   std::string trace;              // Chrome trace JSON of the first trace_steps steps, all ranks; empty = none
   int64_t trace_steps = 5;
+  // Where experts live during a step (runtime/strategy.h): "ep" (static expert parallelism),
+  // "hecate" (FSSDP: sparse materialization of the predicted-hot experts behind attention), or
+  // "fastermoe" (shadow the hottest experts on every rank after the gate). Every strategy computes
+  // the same mathematics; only speed differs.
+  std::string strategy = "ep";
+  bool rematerialize = false;     // hecate: free replicas after forward, gather them again for backward
+  int64_t replica_slots = -1;     // hecate: extra experts a rank may hold per layer (-1: experts per rank)
+  int64_t overlap_degree = -1;    // hecate: experts gathered behind attention (-1: from measured attention time)
+  int64_t load_window = 5;        // hecate: steps of the sliding-window load prediction
+  double link_gbs = 10;           // GB/s the planners' cost models assume for moving expert weights
+  double gemm_gflops = 100;       // GFLOP/s FasterMoE's cost model assumes for expert GEMMs
 
   // Every field and combination; the message names the key and value.
   Status validate() const;

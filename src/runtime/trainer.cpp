@@ -30,6 +30,8 @@
 #include "runtime/ep_step_bodies.h"
 #include "runtime/executor.h"
 #include "runtime/sharded_checkpoint.h"
+#include "plan/hecate.h"
+#include "runtime/strategy.h"
 #include "runtime/trace.h"
 #include "tensor/ops.h"
 
@@ -163,12 +165,13 @@ Status check_same_everywhere(Ranks& ranks, const TrainConfig& cfg, const TextDat
 }
 
 // The parts of the config a resumed run must share with the checkpoint for the result to be the run
-// that never stopped. Paths, logging and the stop point may differ.
+// that never stopped. Paths, logging, the stop point and the strategy (speed only) may differ.
 json resume_identity(const TrainConfig& c) {
   json j = c.to_json();
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
-                        "trace", "trace_steps"})
+                        "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "overlap_degree",
+                        "load_window", "link_gbs", "gemm_gflops"})
     j.erase(k);
   return j;
 }
@@ -219,7 +222,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   Model model(cfg.model, Bl);
   const int64_t full_params = model.num_params();
   model.init(cfg.seed);
-  const int ep_size = static_cast<int>(std::gcd<int64_t>(cfg.model.n_experts, ranks.size));
+  runtime::Strategy strategy(cfg);
+  int ep_size = 1;
+  if (Status s = strategy.ep_size(ranks.size, &ep_size); !s) return s;
   if (ranks.world) {
     if (Status s = comm::detect_topology(*ranks.world, cfg.ranks_per_node, &ranks.topology); !s) return s;
     if (Status s = comm::make_groups(*ranks.world, ep_size, &ranks.groups); !s) return s;
@@ -227,6 +232,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     if (Status s = ranks.groups.dp->dup(ranks.groups.dp->name() + "-grad", &ranks.grad_dp); !s) return s;
     model.set_expert_parallel(ranks.groups.ep.get(), ranks.world.get());
     model.set_ce_grad_scale(1.0f / static_cast<float>(ranks.size));
+    plan::Nodes nodes;
+    for (int r = 0; r < ranks.size; ++r) nodes.node_of_rank.push_back(ranks.topology.node_of(r));
+    strategy.attach(model, nodes);
   }
   // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
   graph::EpStepOptions gopt;
@@ -234,8 +242,12 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   gopt.ep_size = ep_size;
   gopt.batch = Bl;
   gopt.allreduce_micro_bytes = cfg.allreduce_micro_kb * 1024;
+  strategy.configure(&gopt);
   graph::EpStep step_graph = graph::build_ep_step(cfg.model, gopt);
-  runtime::EpStepBodies bodies(model, step_graph, {ranks.grad_world.get(), ranks.grad_dp.get()});
+  runtime::PlacementHooks hooks;
+  hooks.place = [&](int64_t l) { return strategy.place(model, l); };
+  hooks.rematerialize = gopt.rematerialize;
+  runtime::EpStepBodies bodies(model, step_graph, {ranks.grad_world.get(), ranks.grad_dp.get()}, hooks);
   const Fault fault = fault_from_env();
   int64_t current_step = 0;  // 1-based, for the fault injection
   const runtime::OpBody body = [&](graph::Op& op) {
@@ -362,6 +374,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
 
   std::vector<int32_t> tokens(Bl * T), targets(Bl * T);
   std::vector<int64_t> load_buf;
+  // Experts Hecate gathers behind each attention (Alg. 1's t): fixed, or from the last step's
+  // measured attention time, decided by rank 0 so every rank plans the same (invariant 2).
+  int overlap_degree = cfg.overlap_degree >= 0 ? static_cast<int>(cfg.overlap_degree) : 0;
   double last_val = std::nan("");
   double window_loss = 0, window_seconds = 0, window_exposed_ms = 0;
   int64_t window_steps = 0;
@@ -371,6 +386,8 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     ds.batch_rows(step, B, ranks.rank * Bl, Bl, tokens.data(), targets.data());
     model.zero_grad();
     model.begin_step(tokens.data(), targets.data(), Bl);
+    const int overlap_used = overlap_degree;
+    strategy.before_step(model, overlap_used);
     // Forward, backward and the gradient sums (each rank's gradients are its share of the global
     // batch's, Model::set_ce_grad_scale, so their sum is the whole batch's).
     runtime::StepTimeline timeline;
@@ -385,8 +402,16 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     }
     // Where the step's time went, averaged over ranks.
     const runtime::StepBreakdown br = runtime::breakdown(step_graph.graph, timeline);
-    double times[5] = {br.compute_ms, br.exposed_comm_ms, br.comm_ms, br.allreduce_ms, br.allreduce_hidden_ms};
-    if (Status s = ranks.sum(times, 5); !s) return s;
+    double attn_ms = 0;  // mean attn_fwd op
+    int n_attn = 0;
+    for (const graph::Op& op : step_graph.graph.ops)
+      if (op.kind == graph::OpKind::attn_fwd && timeline.spans[op.id].end_ns >= 0) {
+        attn_ms += 1e-6 * static_cast<double>(timeline.spans[op.id].end_ns - timeline.spans[op.id].start_ns);
+        ++n_attn;
+      }
+    if (n_attn) attn_ms /= n_attn;
+    double times[6] = {br.compute_ms, br.exposed_comm_ms, br.comm_ms, br.allreduce_ms, br.allreduce_hidden_ms, attn_ms};
+    if (Status s = ranks.sum(times, 6); !s) return s;
     for (double& t : times) t /= ranks.size;
     double loss = model.cross_entropy();
     if (ranks.world) {
@@ -414,6 +439,12 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     ++window_steps;
 
     const int64_t done = step + 1;
+    if (cfg.overlap_degree < 0 && strategy.uses_placements()) {
+      int64_t t = plan::overlap_degree(times[5] * 1e-3, cfg.link_gbs * 1e9, strategy.expert_bytes());
+      if (ranks.world)
+        if (Status s = ranks.world->broadcast(&t, 1, 0); !s) return s;
+      overlap_degree = static_cast<int>(t);
+    }
     std::vector<LayerLoad> loads = model.load_stats();
     // Global load: kept assignments per expert summed over ranks; rows each rank's experts ran.
     const int64_t E = cfg.model.n_experts;
@@ -432,12 +463,34 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     } else {
       rows_all = rows_mine;
     }
+    // What the strategy moved and held: extra replicas (the same plan on every rank), sparse-collective
+    // bytes (sent + received, summed over ranks) and per-rank memory (the largest rank's).
+    int64_t replicas = 0, sparse_bytes = 0;
+    for (const LayerLoad& ll : loads) {
+      MoeLayer* moe = model.moe_layer(ll.layer);
+      if (!moe->placements_enabled()) continue;
+      for (const std::vector<int>& r : moe->placement().replicas) replicas += static_cast<int64_t>(r.size()) - 1;
+      sparse_bytes += moe->take_sparse_bytes();
+    }
+    int64_t param_bytes = 0;
+    for (const Param* p : opt.params()) param_bytes += static_cast<int64_t>(p->value.numel() * sizeof(float));
+    std::vector<int64_t> memory{param_bytes, model.replica_memory().peak()};
+    model.replica_memory().reset_peak();
+    if (ranks.world) {
+      std::vector<int64_t> all(2 * ranks.size);
+      if (Status s = ranks.world->allgather(memory.data(), 2, all.data()); !s) return s;
+      for (int r = 0; r < ranks.size; ++r)
+        for (int i = 0; i < 2; ++i) memory[i] = std::max(memory[i], all[2 * r + i]);
+      if (Status s = ranks.sum(&sparse_bytes, 1); !s) return s;
+    }
+    std::vector<std::vector<int64_t>> global_loads;
     json per_layer_tokens = json::array(), per_layer_imbalance = json::array(), per_layer_dropped = json::array();
     json per_layer_rank_tokens = json::array(), per_layer_rank_imbalance = json::array();
     for (size_t i = 0; i < loads.size(); ++i) {
       loads[i].tokens_per_expert.assign(load_buf.begin() + i * (E + 1), load_buf.begin() + i * (E + 1) + E);
       loads[i].dropped = load_buf[i * (E + 1) + E];
       per_layer_tokens.push_back(loads[i].tokens_per_expert);
+      global_loads.push_back(loads[i].tokens_per_expert);
       per_layer_imbalance.push_back(imbalance(loads[i].tokens_per_expert));
       per_layer_dropped.push_back(loads[i].dropped);
       std::vector<int64_t> per_rank(ranks.size);
@@ -462,7 +515,20 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                    {"tokens_per_rank", per_layer_rank_tokens},
                    {"rank_imbalance", per_layer_rank_imbalance},
                    {"dropped", per_layer_dropped},
-                   {"tokens_per_expert", per_layer_tokens}});
+                   {"tokens_per_expert", per_layer_tokens},
+                   {"strategy", cfg.strategy},
+                   {"replicas", replicas},
+                   {"overlap_degree", overlap_used},
+                   {"calibrations", strategy.take_calibrations()},
+                   {"sparse_bytes", sparse_bytes},
+                   // Per rank (the largest): parameters held, their gradients (the same size) and
+                   // AdamW's two moments, plus the peak of materialized replicas (weights + grads).
+                   {"memory_bytes",
+                    {{"params", memory[0]},
+                     {"grads", memory[0]},
+                     {"optimizer", 2 * memory[0]},
+                     {"replicas_peak", memory[1]}}}});
+    strategy.observe(global_loads);
 
     if (done % cfg.log_every == 0 || done == end) {
       std::ostringstream load;

@@ -1,0 +1,106 @@
+// Training strategies: see strategy.h.
+#include "runtime/strategy.h"
+
+#include <numeric>
+
+#include "plan/baselines.h"
+#include "plan/hecate.h"
+#include "util/str_cat.h"
+
+namespace moe::runtime {
+
+Strategy::Strategy(const TrainConfig& cfg) : cfg_(cfg) {
+  if (cfg_.strategy == "hecate") {
+    int moe_layers = 0;
+    for (int64_t l = 0; l < cfg_.model.n_layers; ++l) moe_layers += cfg_.model.is_moe_layer(l) ? 1 : 0;
+    predictor_ = std::make_unique<plan::LoadPredictor>(std::max(1, moe_layers), static_cast<int>(cfg_.model.n_experts),
+                                                       static_cast<int>(cfg_.load_window));
+  }
+}
+
+Status Strategy::ep_size(int world, int* out) const {
+  const int64_t E = cfg_.model.n_experts;
+  if (!uses_placements()) {
+    *out = static_cast<int>(std::gcd<int64_t>(E, world));
+    return Status::ok();
+  }
+  if (world > 1 && E % world != 0)
+    return Status::error(str_cat("strategy ", cfg_.strategy, ": n_experts (", E, ") must be a multiple of the ranks (",
+                                 world, "): each rank owns the same number of expert shards"));
+  *out = world;
+  return Status::ok();
+}
+
+void Strategy::configure(graph::EpStepOptions* opt) const {
+  if (opt->world == 1) return;  // one process: nothing to place
+  opt->gather_before_gate = cfg_.strategy == "hecate";
+  opt->rematerialize = cfg_.strategy == "hecate" && cfg_.rematerialize;
+  // Hecate calibrates after the gate (a second gather, only when its cost model says it pays).
+  opt->gather_after_gate = cfg_.strategy == "fastermoe" || cfg_.strategy == "hecate";
+}
+
+void Strategy::attach(Model& model, const plan::Nodes& nodes) {
+  nodes_ = nodes;
+  if (uses_placements() && nodes.node_of_rank.size() > 1) model.enable_placements(nodes);
+}
+
+int Strategy::replica_slots(int64_t n_experts, int world) const {
+  return cfg_.replica_slots >= 0 ? static_cast<int>(cfg_.replica_slots) : static_cast<int>(n_experts / world);
+}
+
+int64_t Strategy::expert_bytes() const {
+  const int64_t mats = cfg_.model.activation == "swiglu" ? 3 : 2;
+  return mats * cfg_.model.d_model * cfg_.model.d_ffn * static_cast<int64_t>(sizeof(float));
+}
+
+void Strategy::before_step(Model& model, int overlap_degree) {
+  if (cfg_.strategy != "hecate") return;
+  overlap_degree_ = overlap_degree;
+  int i = 0;  // MoE layer index
+  for (int64_t l = 0; l < model.n_blocks(); ++l) {
+    MoeLayer* moe = model.moe_layer(l);
+    if (!moe) continue;
+    if (moe->placements_enabled()) {
+      const plan::LayerPlacement& owners = moe->owners();
+      const int m = replica_slots(moe->config().n_experts, owners.n_ranks);
+      moe->set_placement(plan::sparse_materialize(owners, predictor_->predict(i), overlap_degree, m, nodes_));
+    }
+    ++i;
+  }
+}
+
+Status Strategy::place(Model& model, int64_t layer) {
+  MoeLayer* moe = model.moe_layer(layer);
+  if (!moe || !moe->placements_enabled()) return Status::ok();
+  // One token through one expert, forward and backward (3 GEMM passes), at the assumed GEMM rate.
+  const double mats = cfg_.model.activation == "swiglu" ? 3 : 2;
+  const double expert_seconds_per_token =
+      3 * 2 * mats * static_cast<double>(cfg_.model.d_model * cfg_.model.d_ffn) / (cfg_.gemm_gflops * 1e9);
+  if (cfg_.strategy == "hecate") {
+    const plan::LayerPlacement& in_force = moe->placement();
+    const plan::CalibrationModel cm{expert_seconds_per_token, cfg_.link_gbs * 1e9, expert_bytes()};
+    const plan::Calibration c =
+        plan::calibrate(in_force, moe->routed_counts(), overlap_degree_,
+                        replica_slots(moe->config().n_experts, in_force.n_ranks), nodes_, cm);
+    if (c.gather) {
+      moe->set_placement(c.placement);
+      ++calibrations_;
+    }
+    return Status::ok();
+  }
+  if (cfg_.strategy != "fastermoe") return Status::ok();
+  plan::FasterMoeModel fm;
+  fm.d_model = cfg_.model.d_model;
+  fm.ffn_ratio = static_cast<double>(cfg_.model.d_ffn) / static_cast<double>(cfg_.model.d_model);
+  fm.bytes_per_element = sizeof(float);
+  fm.bandwidth = cfg_.link_gbs * 1e9;
+  fm.gemm_flops = cfg_.gemm_gflops * 1e9;
+  moe->set_placement(plan::fastermoe_plan(moe->owners(), moe->routed_counts(), fm));
+  return Status::ok();
+}
+
+void Strategy::observe(const std::vector<std::vector<int64_t>>& loads) {
+  if (predictor_ && !loads.empty()) predictor_->observe(loads);
+}
+
+}  // namespace moe::runtime
