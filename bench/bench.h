@@ -33,4 +33,9 @@ int ep_training(const BenchOptions& opt);
 // 64 KiB .. 16 MiB, lambda 0.125 .. 1; under mpirun (-n 2, -n 4), rank 0 prints. Returns the exit code.
 int sparse_collectives(const BenchOptions& opt);
 
+// The training strategies (ep, hecate, hecate --rematerialize, fastermoe) on 2 MPI ranks with a
+// skewed router, next to EP with an unskewed router: step time, MoE-layer time of the busiest rank,
+// expert GEMM time max/mean, rank imbalance, sparse-collective bytes. Starts mpirun itself.
+int strategies(const BenchOptions& opt);
+
 }  // namespace moe::bench

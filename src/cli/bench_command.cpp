@@ -5,9 +5,9 @@ namespace moe::cli {
 
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   CLI::App* c = app.add_subcommand("bench", "run a benchmark and print its table (see bench/README.md)");
-  c->add_option("name", f->name, "benchmark: moe-layer, collectives (under mpirun), ep-training, sparse-collectives (under mpirun)")
+  c->add_option("name", f->name, "benchmark: moe-layer, collectives (under mpirun), ep-training, sparse-collectives (under mpirun), strategies")
       ->required()
-      ->check(CLI::IsMember({"moe-layer", "collectives", "ep-training", "sparse-collectives"}));
+      ->check(CLI::IsMember({"moe-layer", "collectives", "ep-training", "sparse-collectives", "strategies"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   c->add_option("--repeats", f->repeats, "timed repetitions (the median is reported)")->check(CLI::PositiveNumber);
   c->add_flag("--skip-torch", f->skip_torch, "do not run the PyTorch peer");
@@ -19,6 +19,7 @@ int run_bench(const BenchFlags& f) {
   if (f.name == "collectives") return bench::collectives(opt);
   if (f.name == "ep-training") return bench::ep_training(opt);
   if (f.name == "sparse-collectives") return bench::sparse_collectives(opt);
+  if (f.name == "strategies") return bench::strategies(opt);
   return bench::moe_layer(opt);
 }
 

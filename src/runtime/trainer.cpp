@@ -166,6 +166,13 @@ Status check_same_everywhere(Ranks& ranks, const TrainConfig& cfg, const TextDat
 
 // The parts of the config a resumed run must share with the checkpoint for the result to be the run
 // that never stopped. Paths, logging, the stop point and the strategy (speed only) may differ.
+// Entry i of every pair in a rank-major [ranks][2] allgather result.
+std::vector<double> per_rank(const std::vector<double>& pairs, size_t i) {
+  std::vector<double> out;
+  for (size_t r = 0; 2 * r + i < pairs.size(); ++r) out.push_back(pairs[2 * r + i]);
+  return out;
+}
+
 json resume_identity(const TrainConfig& c) {
   json j = c.to_json();
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
@@ -410,6 +417,34 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
         ++n_attn;
       }
     if (n_attn) attn_ms /= n_attn;
+    // The MoE layers' share of the step on this rank (gate_fwd .. combine_fwd and combine_bwd ..
+    // gate_bwd of every MoE block, waits included) and its expert GEMMs (expert_fwd + expert_bwd).
+    double rank_times[2] = {0, 0};  // moe_ms, expert_ms
+    {
+      std::vector<int64_t> first(cfg.model.n_layers * 2, -1), last(cfg.model.n_layers * 2, -1);
+      for (const graph::Op& op : step_graph.graph.ops) {
+        const runtime::OpSpan& sp = timeline.spans[op.id];
+        if (op.layer < 0 || sp.end_ns < 0 || op.stream != graph::kComputeStream) continue;
+        if (op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::expert_bwd)
+          rank_times[1] += 1e-6 * static_cast<double>(sp.end_ns - sp.start_ns);
+        const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
+                         op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
+                         op.kind == graph::OpKind::combine_fwd;
+        const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
+                         op.kind == graph::OpKind::gate_bwd;
+        if (!fwd && !bwd) continue;
+        const size_t i = op.layer * 2 + (bwd ? 1 : 0);
+        first[i] = first[i] < 0 ? sp.start_ns : std::min(first[i], sp.start_ns);
+        last[i] = std::max(last[i], sp.end_ns);
+      }
+      for (size_t i = 0; i < first.size(); ++i)
+        if (first[i] >= 0) rank_times[0] += 1e-6 * static_cast<double>(last[i] - first[i]);
+    }
+    std::vector<double> all_rank_times(rank_times, rank_times + 2);
+    if (ranks.world) {
+      all_rank_times.assign(2 * ranks.size, 0);
+      if (Status s = ranks.world->allgather(rank_times, 2, all_rank_times.data()); !s) return s;
+    }
     double times[6] = {br.compute_ms, br.exposed_comm_ms, br.comm_ms, br.allreduce_ms, br.allreduce_hidden_ms, attn_ms};
     if (Status s = ranks.sum(times, 6); !s) return s;
     for (double& t : times) t /= ranks.size;
@@ -517,6 +552,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                    {"dropped", per_layer_dropped},
                    {"tokens_per_expert", per_layer_tokens},
                    {"strategy", cfg.strategy},
+                   // per rank: MoE layers' time and expert GEMM time (see above)
+                   {"moe_ms_per_rank", per_rank(all_rank_times, 0)},
+                   {"expert_ms_per_rank", per_rank(all_rank_times, 1)},
                    {"replicas", replicas},
                    {"overlap_degree", overlap_used},
                    {"calibrations", strategy.take_calibrations()},
