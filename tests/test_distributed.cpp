@@ -132,7 +132,7 @@ std::vector<nlohmann::json> step_metrics(const fs::path& path) {
 // weights and tokens to other ranks than EP does, and must still train the same model. The router
 // skew makes the load uneven enough that both really replicate (asserted from their metrics).
 TEST_F(Distributed, SameMathAcrossStrategies) {
-  const std::string args = model_flags() + "--top-k 2 --router-skew 1.5 --steps 6 --warmup-steps 2 ";
+  const std::string args = model_flags() + "--top-k 2 --router-skew 1.5 --steps 6 --warmup-steps 2 --comm-timeout 20 ";
   TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string());
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   struct Case {

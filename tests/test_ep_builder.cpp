@@ -159,18 +159,26 @@ bool depends_on(const Op& op, const Op* dep) {
 }
 }  // namespace
 
-TEST(EpBuilder, ReplicaGathersSitOnTheAllToAllLaneAroundTheExchanges) {
+TEST(EpBuilder, ReplicaGathersRunOnTheirOwnLaneBesideTheExchanges) {
   moe::graph::EpStepOptions opt{4, 4, 2, 1 << 20};
   opt.gather_before_gate = opt.gather_after_gate = opt.rematerialize = true;
   moe::graph::EpStep s = moe::graph::build_ep_step(small_model(), opt);
   ASSERT_TRUE(s.graph.validate());
-  std::vector<OpKind> want;
-  for (OpKind k : {OpKind::materialize, OpKind::gate_sync, OpKind::materialize_placed, OpKind::dispatch_a2a,
-                   OpKind::combine_a2a, OpKind::rematerialize, OpKind::combine_a2a_bwd, OpKind::dispatch_a2a_bwd,
-                   OpKind::replica_grad_reduce})
-    want.push_back(k);
-  EXPECT_EQ(lane_kinds(s.graph, moe::graph::kA2aStream, 0), want);
-  EXPECT_TRUE(lane_kinds(s.graph, moe::graph::kA2aStream, 1).empty());  // the dense block
+  ASSERT_EQ(s.graph.streams.size(), 4u);
+  EXPECT_EQ(s.graph.streams[moe::graph::kGatherStream].name, "gather");
+  std::vector<OpKind> gathers, exchanges;
+  for (OpKind k : {OpKind::materialize, OpKind::materialize_placed, OpKind::rematerialize, OpKind::replica_grad_reduce})
+    gathers.push_back(k);
+  for (OpKind k : {OpKind::gate_sync, OpKind::dispatch_a2a, OpKind::combine_a2a, OpKind::combine_a2a_bwd,
+                   OpKind::dispatch_a2a_bwd})
+    exchanges.push_back(k);
+  EXPECT_EQ(lane_kinds(s.graph, moe::graph::kGatherStream, 0), gathers);
+  EXPECT_EQ(lane_kinds(s.graph, moe::graph::kA2aStream, 0), exchanges);
+  EXPECT_TRUE(lane_kinds(s.graph, moe::graph::kGatherStream, 1).empty());  // the dense block
+  for (const Op& op : s.graph.ops)
+    if (op.stream == moe::graph::kGatherStream) {
+      EXPECT_EQ(op.priority, moe::graph::kA2aPriority);
+    }
   // The forward gather waits for nothing (it runs behind attn_fwd); expert_fwd waits for both gathers;
   // place runs after gate_sync and before dispatch; expert_bwd waits for the re-gather; the gradient
   // reduction waits for expert_bwd only.
@@ -184,6 +192,7 @@ TEST(EpBuilder, ReplicaGathersSitOnTheAllToAllLaneAroundTheExchanges) {
   const Op* place = find(s.graph, OpKind::place, 0);
   ASSERT_NE(place, nullptr);
   EXPECT_TRUE(depends_on(*place, find(s.graph, OpKind::gate_sync, 0)));
+  EXPECT_TRUE(depends_on(*place, gather));  // place rewrites the placement the gather reads
   EXPECT_TRUE(depends_on(*find(s.graph, OpKind::dispatch_fwd, 0), place));
   EXPECT_TRUE(depends_on(*find(s.graph, OpKind::expert_bwd, 0), find(s.graph, OpKind::rematerialize, 0)));
   const Op* reduce = find(s.graph, OpKind::replica_grad_reduce, 0);

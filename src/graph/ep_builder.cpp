@@ -51,6 +51,7 @@ class Builder {
     if (distributed_) {
       step_.graph.add_stream("a2a", true);
       step_.graph.add_stream("allreduce", true);
+      if (gathers_replicas(opt)) step_.graph.add_stream("gather", true);
     }
   }
 
@@ -89,11 +90,12 @@ class Builder {
   // An exchange on the all-to-all lane; sizes are filled in at run time (the gate decides them).
   int exchange(OpKind kind, Collective c, Group g, int64_t layer, std::vector<int> deps) {
     Op op;
+    op.stream = c == Collective::sparse_allgather || c == Collective::sparse_reduce_scatter ? kGatherStream
+                                                                                             : kA2aStream;
     op.kind = kind;
     op.collective = c;
     op.group = g;
     op.layer = static_cast<int>(layer);
-    op.stream = kA2aStream;
     op.priority = kA2aPriority;
     op.deps = std::move(deps);
     return step_.graph.add(std::move(op));
@@ -143,21 +145,26 @@ class Builder {
       const double flops = cfg_.is_moe_layer(l) ? 2 * N * C * E + expert_flops : 2 * ffn_mats * N * C * F;
       return compute(OpKind::ffn_fwd, l, {x}, flops, 4 * N * (4 * C + 2 * F));
     }
-    // No dependency: the lane's FIFO starts it once the previous block's exchanges are done, so it
-    // runs behind attn_fwd(l); its sizes are filled in when it runs (the plan is made before the step).
-    const int gather = opt_.gather_before_gate
-                           ? exchange(OpKind::materialize, Collective::sparse_allgather, Group::ep, l, std::vector<int>{})
-                           : -1;
+    // It runs behind attn_fwd(l) (no dependency on it); with re-materialization only once the previous
+    // MoE block's expert_fwd freed its replicas, so one block's replicas are held at a time. Its sizes
+    // are filled in when it runs (the plan is made before the step).
+    const int gather =
+        opt_.gather_before_gate
+            ? exchange(OpKind::materialize, Collective::sparse_allgather, Group::ep, l,
+                       opt_.rematerialize ? deps({last_expert_fwd_}) : std::vector<int>{})
+            : -1;
     x = compute(OpKind::gate_fwd, l, {x}, 2 * N * C * E, 4 * N * (C + 2 * E));
     x = exchange(OpKind::gate_sync, Collective::allgather, Group::world, l, x);
     int placed_gather = -1;
     if (opt_.gather_after_gate) {
-      x = compute(OpKind::place, l, {x}, 0, 0);
+      // After the forward gather too: place changes the placement that gather reads.
+      x = compute(OpKind::place, l, deps({x, gather}), 0, 0);
       placed_gather = exchange(OpKind::materialize_placed, Collective::sparse_allgather, Group::ep, l, x);
     }
     x = compute(OpKind::dispatch_fwd, l, {x}, 0, 4 * 2 * N * K * C);
     x = exchange(OpKind::dispatch_a2a, Collective::alltoallv, Group::ep, l, x);
     x = compute(OpKind::expert_fwd, l, deps({x, gather, placed_gather}), expert_flops, 4 * N * K * (4 * C + 3 * F));
+    expert_fwd_[l] = last_expert_fwd_ = x;
     x = exchange(OpKind::combine_a2a, Collective::alltoallv, Group::ep, l, x);
     return compute(OpKind::combine_fwd, l, {x}, 2 * N * K * C, 4 * (N * K * C + 2 * N * C));
   }
@@ -177,10 +184,10 @@ class Builder {
       dense.elements += experts.elements;
     } else {
       x = compute(OpKind::combine_bwd, l, {x}, 2 * N * K * C, 4 * (N * K * C + 2 * N * C));
-      // As the forward gather: no dependency (the lane is past this block's forward, whose
-      // expert_fwd freed the replicas), so it runs behind the backward of the blocks above.
+      // After the forward's expert_fwd(l) freed the replicas, and (the lane's FIFO) after the block
+      // above reduced its replica gradients: it runs behind the backward of the blocks above.
       const int regather = opt_.rematerialize ? exchange(OpKind::rematerialize, Collective::sparse_allgather,
-                                                         Group::ep, l, std::vector<int>{})
+                                                         Group::ep, l, std::vector<int>{expert_fwd_[l]})
                                               : -1;
       x = exchange(OpKind::combine_a2a_bwd, Collective::alltoallv, Group::ep, l, x);
       x = compute(OpKind::expert_bwd, l, deps({x, regather}), expert_flops, 8 * N * K * (4 * C + 3 * F));
@@ -201,6 +208,8 @@ class Builder {
   Dims d_{};
   bool distributed_ = false;
   EpStep step_;
+  std::vector<int> expert_fwd_ = std::vector<int>(cfg_.n_layers, -1);  // op id of expert_fwd(l)
+  int last_expert_fwd_ = -1;
 };
 
 }  // namespace

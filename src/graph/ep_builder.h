@@ -37,12 +37,15 @@ struct EpStepOptions {
   // Gradient allreduce is cut into micro-ops of at most this many bytes (0: one op per bucket).
   int64_t allreduce_micro_bytes = 1 << 20;
   // Placement strategies (MoeLayer::enable_placements: experts held by more ranks than their owner,
-  // Hecate and FasterMoE). REQUIRES: ep_size == world when any is set. Their ops run on the
-  // all-to-all lane, in its FIFO order:
-  //   forward   [materialize] gate_sync [materialize_placed] dispatch_a2a combine_a2a
-  //   backward  [rematerialize] combine_a2a_bwd dispatch_a2a_bwd [replica_grad_reduce]
+  // Hecate and FasterMoE). REQUIRES: ep_size == world when any is set. Their ops run on a lane of
+  // their own (kGatherStream), so a gather never holds up the gate's sync or a token exchange queued
+  // behind it; per block, in the lane's FIFO order:
+  //   forward   [materialize] [materialize_placed]      (expert_fwd(l) waits for both)
+  //   backward  [rematerialize] [replica_grad_reduce]   (expert_bwd(l) waits for the first)
+  // With rematerialize, materialize(l) waits for the previous MoE block's expert_fwd and
+  // rematerialize(l) for expert_fwd(l): the forward frees a block's replicas in its expert_fwd.
   // so a forward gather runs while attn_fwd(l) computes, and the gradient reduction and the next
-  // layer's re-gather while gate_bwd(l) and attn_bwd(l) compute.
+  // block's re-gather while gate_bwd(l) and attn_bwd(l) compute.
   bool gather_before_gate = false;  // materialize(l): the replicas planned before the step (Hecate)
   bool gather_after_gate = false;   // place(l) after gate_sync(l), then materialize_placed(l)
   bool rematerialize = false;       // replicas freed after expert_fwd(l), gathered again for expert_bwd(l)
@@ -51,7 +54,9 @@ struct EpStepOptions {
 bool gathers_replicas(const EpStepOptions& opt);  // any of the placement options set
 
 // The stream indices of an EP graph (streams absent with one rank).
-inline constexpr int kComputeStream = 0, kA2aStream = 1, kAllreduceStream = 2;
+// The gather lane exists only with replica gathers (gathers_replicas): it has the all-to-all lane's
+// priority, so gathers and exchanges run side by side and both overtake the gradient allreduce.
+inline constexpr int kComputeStream = 0, kA2aStream = 1, kAllreduceStream = 2, kGatherStream = 3;
 inline constexpr int kA2aPriority = 1, kAllreducePriority = 0;
 
 // A gradient bucket: the parameters one grad_allreduce op (and its micro-ops) sums, by name.

@@ -455,9 +455,9 @@ void Model::set_expert_parallel(comm::Communicator* ep, comm::Communicator* batc
     if (MoeLayer* m = moe_layer(l)) m->set_expert_parallel(ep, batch);
 }
 
-void Model::enable_placements(const plan::Nodes& nodes) {
+void Model::enable_placements(const plan::Nodes& nodes, comm::Communicator* gather) {
   for (int64_t l = 0; l < cfg_.n_layers; ++l)
-    if (MoeLayer* m = moe_layer(l)) m->enable_placements(nodes, &replica_memory_);
+    if (MoeLayer* m = moe_layer(l)) m->enable_placements(nodes, &replica_memory_, gather);
 }
 
 }  // namespace moe

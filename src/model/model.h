@@ -122,7 +122,7 @@ class Model {
   void set_ce_grad_scale(float s) { ce_grad_scale_ = s; }
   // Placement strategies: every MoE layer may hold expert replicas (MoeLayer::enable_placements),
   // accounted together in replica_memory(). REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks.
-  void enable_placements(const plan::Nodes& nodes);
+  void enable_placements(const plan::Nodes& nodes, comm::Communicator* gather);
   ReplicaMemory& replica_memory() { return replica_memory_; }
 
  private:

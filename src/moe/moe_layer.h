@@ -154,14 +154,17 @@ class MoeLayer {
   // REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks (one copy of every expert over the
   // batch group); nodes has one entry per ep rank; called before the first step.
   // memory: where this layer accounts its replica buffers (may be shared by layers; outlives the layer).
-  void enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory);
+  // gather: the communicator of the sparse collectives (the ep group's ranks; not used by another
+  // thread while they run: the runtime's gather lane), so they can run beside the all-to-alls.
+  void enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory, comm::Communicator* gather);
   bool placements_enabled() const { return placed_; }
   const plan::LayerPlacement& owners() const { return owners_; }  // replicas == {owner}
   // The placement for the rest of this step: before ep_dispatch (e.g. from predicted loads, then
   // ep_materialize behind the attention), or after ep_gate_sync from routed_counts() (FasterMoE,
   // Hecate's calibration), then ep_materialize again. The same value on every rank (invariant 2).
   // REQUIRES: placements enabled; p.validate() ok, p.owner == owners().owner, and p holds every
-  // replica materialized since the last release_replicas (std::logic_error).
+  // replica materialized since the last release_replicas (std::logic_error); not while an
+  // ep_materialize of this layer runs (the runtime orders them: graph/ep_builder.h).
   void set_placement(const plan::LayerPlacement& p);
   const plan::LayerPlacement& placement() const { return placement_; }
   // Communication (ep group): replicas of placement() not held yet arrive from their owners (or from
@@ -246,6 +249,7 @@ class MoeLayer {
   std::vector<int64_t> sparse_peer_bytes_;
   int64_t sparse_bytes_ = 0, replica_bytes_ = 0;
   ReplicaMemory* memory_ = nullptr;
+  comm::Communicator* gather_ = nullptr;
 };
 
 }  // namespace moe

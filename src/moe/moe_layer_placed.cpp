@@ -51,7 +51,7 @@ void ReplicaMemory::add(int64_t bytes) {
   }
 }
 
-void MoeLayer::enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory) {
+void MoeLayer::enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory, comm::Communicator* gather) {
   if (!ep_ || ep_->size() != batch_->size())
     throw std::logic_error("MoeLayer::enable_placements: REQUIRES expert parallel over one group of every batch rank");
   const int R = ep_->size();
@@ -59,6 +59,9 @@ void MoeLayer::enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory
     throw std::logic_error(str_cat("MoeLayer::enable_placements: nodes has ", nodes.node_of_rank.size(),
                                    " ranks, the ep group ", R));
   if (!memory) throw std::logic_error("MoeLayer::enable_placements: REQUIRES a ReplicaMemory");
+  if (!gather || gather->size() != R || gather->rank() != ep_->rank())
+    throw std::logic_error("MoeLayer::enable_placements: REQUIRES a gather communicator over the ep group's ranks");
+  gather_ = gather;
   placed_ = true;
   memory_ = memory;
   nodes_ = nodes;
@@ -159,7 +162,7 @@ void MoeLayer::ep_materialize() {
   const comm::SparsePlan plan = comm::plan_sparse_allgather(chunk_placement(held_.replicas, W),
                                                             chunk_placement(placement_.replicas, W), R);
   const std::vector<float*> chunks = chunk_pointers(false);
-  check(comm::sparse_allgather(*ep_, plan, chunks, FC));
+  check(comm::sparse_allgather(*gather_, plan, chunks, FC));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
@@ -177,7 +180,7 @@ void MoeLayer::ep_reduce_replica_grads() {
   const comm::SparsePlan plan = comm::plan_sparse_reduce_scatter(chunk_placement(held_.replicas, W),
                                                                  chunk_placement(owners_.replicas, W), R);
   const std::vector<float*> chunks = chunk_pointers(true);
-  check(comm::sparse_reduce_scatter(*ep_, plan, chunks, FC, &reduce_scratch_));
+  check(comm::sparse_reduce_scatter(*gather_, plan, chunks, FC, &reduce_scratch_));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);

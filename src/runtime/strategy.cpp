@@ -39,9 +39,9 @@ void Strategy::configure(graph::EpStepOptions* opt) const {
   opt->gather_after_gate = cfg_.strategy == "fastermoe" || cfg_.strategy == "hecate";
 }
 
-void Strategy::attach(Model& model, const plan::Nodes& nodes) {
+void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather) {
   nodes_ = nodes;
-  if (uses_placements() && nodes.node_of_rank.size() > 1) model.enable_placements(nodes);
+  if (uses_placements() && nodes.node_of_rank.size() > 1) model.enable_placements(nodes, gather);
 }
 
 int Strategy::replica_slots(int64_t n_experts, int world) const {

@@ -47,8 +47,9 @@ class Strategy {
   Status ep_size(int world, int* out) const;
   // Sets the graph options of this strategy (gathers, rematerialization).
   void configure(graph::EpStepOptions* opt) const;
-  // After Model::set_expert_parallel: turns placements on in every MoE layer. nodes: node of each rank.
-  void attach(Model& model, const plan::Nodes& nodes);
+  // After Model::set_expert_parallel: turns placements on in every MoE layer. nodes: node of each rank;
+  // gather: the gather lane's communicator over the ep group (Model::enable_placements).
+  void attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather);
 
   // Before a step (hecate): each MoE layer's placement from the predicted loads. overlap_degree: the
   // t of Alg. 1 (the same on every rank).

@@ -64,6 +64,7 @@ struct Ranks {
   // The allreduce lane's own communicators (the all-to-all lane uses the MoE layers' ep group and
   // the world; the main thread uses the world between steps).
   std::unique_ptr<comm::Communicator> grad_world, grad_dp;
+  std::unique_ptr<comm::Communicator> gather;  // the gather lane's (placement strategies)
   comm::Topology topology;
   int rank = 0, size = 1;
   bool lead() const { return rank == 0; }
@@ -241,7 +242,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     model.set_ce_grad_scale(1.0f / static_cast<float>(ranks.size));
     plan::Nodes nodes;
     for (int r = 0; r < ranks.size; ++r) nodes.node_of_rank.push_back(ranks.topology.node_of(r));
-    strategy.attach(model, nodes);
+    if (strategy.uses_placements())
+      if (Status s = ranks.groups.ep->dup(ranks.groups.ep->name() + "-gather", &ranks.gather); !s) return s;
+    strategy.attach(model, nodes, ranks.gather.get());
   }
   // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
   graph::EpStepOptions gopt;
