@@ -33,6 +33,14 @@ int ep_training(const BenchOptions& opt);
 // 64 KiB .. 16 MiB, lambda 0.125 .. 1; under mpirun (-n 2, -n 4), rank 0 prints. Returns the exit code.
 int sparse_collectives(const BenchOptions& opt);
 
+// bench/cluster.cpp, on an emulated cluster (scripts/cluster.sh; needs root and network namespaces,
+// else says so and returns 1): alltoallv across 2 hosts x 1 rank alone and with a concurrent
+// allreduce on the same capped link (200 Mbit/s, 1 Gbit/s), next to the times the cap and max-min
+// fair sharing predict; and `moe train` step time / exposed communication on 2 hosts x 1 rank at
+// 100 Mbit/s, 1 Gbit/s, 10 Gbit/s next to 2 ranks on one host. Return the exit code.
+int cluster_collectives(const BenchOptions& opt);
+int cluster_ep_training(const BenchOptions& opt);
+
 // The training strategies (ep, hecate, hecate --rematerialize, fastermoe) on 2 MPI ranks with a
 // skewed router, next to EP with an unskewed router: step time, MoE-layer time of the busiest rank,
 // expert GEMM time max/mean, rank imbalance, sparse-collective bytes. Starts mpirun itself.

@@ -33,4 +33,13 @@ struct BenchFlags {
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
 
+// `moe cluster ...`: runs scripts/cluster.sh with the arguments (src/cli/cluster_command.cpp).
+struct ClusterFlags {
+  std::vector<std::string> args;  // everything after `cluster`
+};
+CLI::App* add_cluster_command(CLI::App& app, ClusterFlags* flags);
+int run_cluster(const CLI::App& cmd, ClusterFlags& flags);
+// The script `moe cluster` runs: $MOE_CLUSTER_SCRIPT, else scripts/cluster.sh of the source tree.
+std::string cluster_script();
+
 }  // namespace moe::cli

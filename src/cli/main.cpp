@@ -1,4 +1,4 @@
-// The `moe` command: train, bench. Each subcommand validates everything before any work and
+// The `moe` command: train, bench, cluster. Each subcommand validates everything before any work and
 // exits non-zero with one clear message on bad input.
 #include <cstdio>
 #include <exception>
@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   CLI::App* train_cmd = moe::cli::add_train_command(app, &train);
   moe::cli::BenchFlags bench;
   CLI::App* bench_cmd = moe::cli::add_bench_command(app, &bench);
+  moe::cli::ClusterFlags cluster;
+  CLI::App* cluster_cmd = moe::cli::add_cluster_command(app, &cluster);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -24,6 +26,7 @@ int main(int argc, char** argv) {
   try {
     if (train_cmd->parsed()) return moe::cli::run_train(*train_cmd, train);
     if (bench_cmd->parsed()) return moe::cli::run_bench(bench);
+    if (cluster_cmd->parsed()) return moe::cli::run_cluster(*cluster_cmd, cluster);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe: error: %s\n", e.what());
     return 1;

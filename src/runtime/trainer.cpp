@@ -332,6 +332,14 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       "per rank per step)\n",
       ranks.size, ranks.groups.ep_size, (long long)(cfg.model.n_experts / ranks.groups.ep_size), ranks.groups.dp_size,
       (long long)Bl, (long long)B);
+  if (ranks.world && strategy.uses_placements()) {
+    const std::string t = cfg.overlap_degree >= 0 ? std::to_string(cfg.overlap_degree) : std::string("from attention time");
+    say("strategy: %s (up to %d extra experts per rank and layer; gathered behind attention: %s%s)\n",
+        cfg.strategy.c_str(), strategy.replica_slots(cfg.model.n_experts, ranks.size), t.c_str(),
+        cfg.rematerialize ? "; re-materialized for backward" : "");
+  } else if (ranks.world) {
+    say("strategy: ep\n");
+  }
   say("gemm: %s; %d threads per rank; batch %lld x %lld tokens; %lld steps\n", gemm_backend().c_str(),
       omp_get_max_threads(), (long long)B, (long long)T, (long long)cfg.steps);
   if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);

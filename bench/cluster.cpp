@@ -1,0 +1,307 @@
+// moe bench cluster-collectives, moe bench cluster-ep-training: see bench.h and docs/cluster.md.
+//
+// Both build an emulated cluster (scripts/cluster.sh, named "moebench": 2 hosts x 1 rank, each host's
+// NIC capped by tc in both directions), run their job on it with `cluster.sh run`, and remove the
+// cluster at the end. They need root and network namespaces: without them they say so and exit 1.
+//
+// cluster-collectives: alltoallv with equal splits, alone and with an allreduce running at the same
+// time on another communicator (another thread) over the same link, at NIC caps of 200 Mbit/s and
+// 1 Gbit/s. Each moves the same bytes each way across the link: alltoallv of S per rank sends S/2
+// to the other host; the 2-rank allreduce (recursive halving + doubling) of V = S/2 sends V/2 in its
+// reduce-scatter and V/2 in its allgather. Columns:
+//   MiB/dir      payload bytes each host sends to the other in one call
+//   cap ms       the time the cap predicts: payload x wire/payload bytes (Ethernet + IP + TCP headers
+//                with timestamps, MTU 1500: 1514 / 1448) x 8 / cap
+//   alone ms     median over --repeats calls (after a warm-up), the slower rank's time
+//   /cap         alone / cap ms (1.00: the link runs at its cap)
+//   shared ms    the same call while the other operation runs on the same link
+//   /alone       shared / alone: the contention
+//   fair ms      what max-min fair sharing of the cap predicts (both flows start together; a flow
+//                finishes after its bytes plus as many of the other's as overlap it)
+// cluster-ep-training: `moe train` (the default model and corpus) on 2 hosts x 1 rank at NIC caps of
+// 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, next to the same 2 ranks on one host (shared memory): the
+// runtime's per-step metrics step_ms, compute_ms, exposed_comm_ms and comm_ms, medians after warm-up.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <mpi.h>
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+#include "util/str_cat.h"
+
+#ifndef MOE_SOURCE_DIR
+#define MOE_SOURCE_DIR ""
+#endif
+
+namespace moe::bench {
+namespace {
+
+constexpr const char* kCluster = "moebench";
+constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
+
+std::string script() {
+  if (const char* s = std::getenv("MOE_CLUSTER_SCRIPT"); s && *s) return s;
+  return str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
+}
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, n) : "moe";
+}
+
+struct Result {
+  int rc = -1;
+  std::string out;
+};
+
+Result sh(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) r.out.append(buf, n);
+  int st = pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+  return r;
+}
+
+std::string cluster_cmd(const std::string& args) { return str_cat("bash ", script(), " --name ", kCluster, " ", args); }
+
+// Builds the bench's cluster for the lifetime of the object; `ok()` false with the reason printed.
+class BenchCluster {
+ public:
+  BenchCluster(const char* bench, const std::string& nic) {
+    if (geteuid() != 0) {
+      std::fprintf(stderr, "moe bench %s: needs root (it builds an emulated cluster of network namespaces, "
+                   "scripts/cluster.sh); run it as root\n", bench);
+      return;
+    }
+    if (Result c = sh(cluster_cmd("check")); c.rc != 0) {
+      std::fprintf(stderr, "moe bench %s: no emulated cluster here: %s", bench, c.out.c_str());
+      return;
+    }
+    sh(cluster_cmd("down"));  // a cluster of this name left by an interrupted run of this bench
+    Result up = sh(cluster_cmd(str_cat("up --nodes 2 --ranks-per-node 1 --nic ", nic)));
+    if (up.rc != 0) {
+      std::fprintf(stderr, "moe bench %s: cluster up failed: %s", bench, up.out.c_str());
+      return;
+    }
+    ok_ = true;
+  }
+  ~BenchCluster() {
+    if (ok_) sh(cluster_cmd("down"));
+  }
+  bool ok() const { return ok_; }
+  bool shape(const std::string& nic) const {
+    Result r = sh(cluster_cmd("shape --nic " + nic));
+    if (r.rc != 0) std::fprintf(stderr, "moe bench: cluster shape --nic %s failed: %s", nic.c_str(), r.out.c_str());
+    return r.rc == 0;
+  }
+
+ private:
+  bool ok_ = false;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void check(const Status& st) {
+  if (!st) comm::abort_job(st);
+}
+
+// ---- cluster-collectives: the ranks' side (under `cluster.sh run`) ----
+
+int collectives_ranks(const BenchOptions& opt) {
+  std::unique_ptr<comm::MpiSession> session;
+  check(comm::MpiSession::start(&session));
+  std::unique_ptr<comm::Communicator> a2a_comm, ar_comm;
+  check(session->world(&a2a_comm));
+  check(a2a_comm->dup("allreduce", &ar_comm));  // its own lane, as the runtime's allreduce has
+  const int P = a2a_comm->size(), r = a2a_comm->rank();
+  if (P != 2) {
+    if (r == 0) std::fprintf(stderr, "moe bench cluster-collectives: runs on 2 ranks, got %d\n", P);
+    return 1;
+  }
+  const char* bps_env = std::getenv("MOE_CLUSTER_NIC_BPS");
+  const char* nic = std::getenv("MOE_CLUSTER_NIC");
+  const double bps = bps_env ? std::atof(bps_env) : 0;
+  if (bps <= 0) {
+    if (r == 0) std::fprintf(stderr, "moe bench cluster-collectives: run by the bench itself (no MOE_CLUSTER_NIC_BPS)\n");
+    return 1;
+  }
+  // ~0.5 s per call at the cap: long against scheduling noise, short enough for a few repeats.
+  const int64_t per_dir = std::clamp<int64_t>(static_cast<int64_t>(bps / 8 * 0.5) >> 20, 1, 256) << 20;
+  const int64_t a2a_count = per_dir / 4;  // floats per peer block: the block to the other host
+  const int64_t ar_count = per_dir / 4;  // V = per_dir: its reduce-scatter and allgather send V/2 each
+  std::vector<float> send(2 * a2a_count, 1.0f), recv(2 * a2a_count), grad(ar_count, 0.0f);
+  std::vector<int64_t> counts{a2a_count, a2a_count}, displs{0, a2a_count};
+  MPI_Comm raw;
+  MPI_Comm_dup(MPI_COMM_WORLD, &raw);
+  auto a2a = [&] { check(a2a_comm->alltoallv(send.data(), counts, displs, recv.data(), counts, displs)); };
+  auto ar = [&] { check(ar_comm->allreduce(grad.data(), ar_count)); };
+  using Clock = std::chrono::steady_clock;
+  auto secs = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  // One round: the calls given run at once, one thread each, after a barrier; each one's time, the
+  // slower rank's.
+  auto round = [&](bool run_a2a, bool run_ar, double* t_a2a, double* t_ar) {
+    MPI_Barrier(raw);
+    double ta = 0, tr = 0;
+    std::thread other;
+    if (run_ar) other = std::thread([&] {
+        auto t0 = Clock::now();
+        ar();
+        tr = secs(t0, Clock::now());
+      });
+    if (run_a2a) {
+      auto t0 = Clock::now();
+      a2a();
+      ta = secs(t0, Clock::now());
+    }
+    if (other.joinable()) other.join();
+    double t[2] = {ta, tr};
+    MPI_Allreduce(MPI_IN_PLACE, t, 2, MPI_DOUBLE, MPI_MAX, raw);
+    *t_a2a = t[0], *t_ar = t[1];
+  };
+  double dummy;
+  round(true, true, &dummy, &dummy);  // warm-up: connections, first touch
+  std::vector<double> a_alone, r_alone, a_shared, r_shared;
+  for (int k = 0; k < opt.repeats; ++k) {
+    double ta, tr;
+    round(true, false, &ta, &dummy), a_alone.push_back(ta);
+    round(false, true, &dummy, &tr), r_alone.push_back(tr);
+    round(true, true, &ta, &tr), a_shared.push_back(ta), r_shared.push_back(tr);
+  }
+  MPI_Comm_free(&raw);
+  if (r != 0) return 0;
+  const double byte_s = bps / 8 / kWireFactor;  // payload bytes per second at the cap
+  const double cap_s = per_dir / byte_s;
+  // Max-min fair: both start together with the same bytes, so each gets half until both finish.
+  const double fair_s = 2 * per_dir / byte_s;
+  std::printf("\n# NIC cap %s (%.0f Mbit/s each way; payload %.1f MB/s after headers)\n", nic ? nic : "?", bps / 1e6,
+              byte_s / 1e6);
+  std::printf("%-28s %8s %8s %9s %6s %10s %7s %8s\n", "operation", "MiB/dir", "cap ms", "alone ms", "/cap",
+              "shared ms", "/alone", "fair ms");
+  auto row = [&](const char* name, double alone, double shared) {
+    std::printf("%-28s %8.1f %8.1f %9.1f %6.2f %10.1f %7.2f %8.1f\n", name, per_dir / 1048576.0, cap_s * 1e3,
+                alone * 1e3, alone / cap_s, shared * 1e3, shared / alone, fair_s * 1e3);
+  };
+  row("alltoallv (+ allreduce)", median(a_alone), median(a_shared));
+  row("allreduce (+ alltoallv)", median(r_alone), median(r_shared));
+  std::fflush(stdout);
+  return 0;
+}
+
+// ---- cluster-ep-training: one `moe train` run's metrics ----
+
+struct TrainRow {
+  std::string name;
+  bool ok = false;
+  double step = 0, compute = 0, exposed = 0, comm = 0;
+};
+
+TrainRow train_row(const std::string& name, const std::string& launch, int steps, int warmup) {
+  TrainRow row{name};
+  const std::string metrics =
+      std::filesystem::temp_directory_path() / str_cat("moe_bench_cluster_", getpid(), ".jsonl");
+  std::filesystem::remove(metrics);
+  std::string cmd = str_cat(launch, " ", self_exe(), " train --steps ", steps, " --log-every ", steps,
+                            " --eval-batches 1 --threads 1 --metrics ", metrics);
+  Result r = sh(cmd);
+  if (r.rc != 0) {
+    std::fprintf(stderr, "moe bench cluster-ep-training: '%s' failed (exit %d):\n%s", cmd.c_str(), r.rc, r.out.c_str());
+    return row;
+  }
+  std::vector<double> step, compute, exposed, comm;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("step_ms") || j["step"].get<int>() <= warmup) continue;
+    step.push_back(j["step_ms"]), compute.push_back(j["compute_ms"]);
+    exposed.push_back(j["exposed_comm_ms"]), comm.push_back(j["comm_ms"]);
+  }
+  std::filesystem::remove(metrics);
+  row.ok = !step.empty();
+  row.step = median(step), row.compute = median(compute), row.exposed = median(exposed), row.comm = median(comm);
+  return row;
+}
+
+}  // namespace
+
+int cluster_collectives(const BenchOptions& opt) {
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) return collectives_ranks(opt);
+  BenchCluster cluster("cluster-collectives", "200mbit");
+  if (!cluster.ok()) return 1;
+  std::printf("# moe bench cluster-collectives: 2 emulated hosts x 1 rank (scripts/cluster.sh), float32, median of %d "
+              "rounds; alltoallv and allreduce alone and at the same time on the same link\n",
+              opt.repeats);
+  std::fflush(stdout);
+  int failed = 0;
+  for (const char* nic : {"200mbit", "1gbit"}) {
+    if (!cluster.shape(nic)) return 1;
+    Result r = sh(cluster_cmd(str_cat("run -- ", self_exe(), " bench cluster-collectives --repeats ", opt.repeats)));
+    // Only the table: the launch line goes to stderr, merged here.
+    std::string table;
+    for (size_t at = 0; at < r.out.size();) {
+      size_t end = r.out.find('\n', at);
+      std::string line = r.out.substr(at, end == std::string::npos ? std::string::npos : end - at + 1);
+      if (line.rfind("moe cluster:", 0) != 0) table += line;
+      at = end == std::string::npos ? r.out.size() : end + 1;
+    }
+    std::printf("%s", table.c_str());
+    std::fflush(stdout);
+    if (r.rc != 0) std::printf("# cap %s: the job failed (exit %d)\n", nic, r.rc), ++failed;
+  }
+  return failed ? 1 : 0;
+}
+
+int cluster_ep_training(const BenchOptions& opt) {
+  BenchCluster cluster("cluster-ep-training", "100mbit");
+  if (!cluster.ok()) return 1;
+  const int steps = 15, warmup = 3;
+  std::printf("# moe bench cluster-ep-training: moe train, default model and corpus, 2 ranks x 1 thread, %d steps "
+              "(medians after %d); 2 emulated hosts x 1 rank at each NIC cap vs 2 ranks on one host\n",
+              steps, warmup);
+  std::fflush(stdout);
+  std::vector<TrainRow> rows;
+  rows.push_back(train_row("1 host, shared memory",
+                           "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none",
+                           steps, warmup));
+  for (const char* nic : {"100mbit", "1gbit", "10gbit"}) {
+    if (!cluster.shape(nic)) return 1;
+    rows.push_back(train_row(str_cat("2 hosts, NIC ", nic), cluster_cmd("run --"), steps, warmup));
+  }
+  std::printf("%-24s %9s %11s %17s %9s %12s\n", "run", "step ms", "compute ms", "exposed comm ms", "comm ms",
+              "vs 1 host");
+  int failed = 0;
+  for (const TrainRow& r : rows) {
+    if (!r.ok) {
+      std::printf("%-24s %9s\n", r.name.c_str(), "failed");
+      ++failed;
+      continue;
+    }
+    std::printf("%-24s %9.1f %11.1f %17.1f %9.1f %12.2f\n", r.name.c_str(), r.step, r.compute, r.exposed, r.comm,
+                rows[0].ok ? r.step / rows[0].step : 0);
+  }
+  (void)opt;
+  return failed ? 1 : 0;
+}
+
+}  // namespace moe::bench
