@@ -141,9 +141,13 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
   };
   const std::string hecate = "hecate --overlap-degree 2 --replica-slots 2";
   std::map<std::string, int64_t> replicas_peak;
+  // Re-sharding every 2 steps moves expert shards with their Adam moments (Hecate's Alg. 2,
+  // SmartMoE's swaps); the final checkpoint then holds non-contiguous expert rows per part.
+  const std::string resharding = hecate + " --reshard-every 2", smartmoe = "smartmoe --reshard-every 2";
   for (const Case& c : {Case{hecate, 2}, Case{hecate + " --rematerialize", 2}, Case{"fastermoe --gemm-gflops 1", 2},
-                        Case{"ep", 4}, Case{hecate, 4}, Case{hecate + " --rematerialize", 4},
-                        Case{"fastermoe --gemm-gflops 1", 4}}) {
+                        Case{resharding, 2}, Case{smartmoe, 2}, Case{"ep", 4}, Case{hecate, 4},
+                        Case{hecate + " --rematerialize", 4}, Case{"fastermoe --gemm-gflops 1", 4},
+                        Case{resharding, 4}}) {
     const std::string label = c.strategy + std::string(" on ").append(std::to_string(c.ranks)).append(" ranks");
     SCOPED_TRACE(label);
     const fs::path ck = dir_ / std::string("c").append(std::to_string(c.ranks)), metrics = dir_ / "metrics.jsonl";
@@ -153,13 +157,20 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
     expect_same_run(label + " vs one process", ref, r);
     if (r.exit_code != 0) continue;
     EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
-    int64_t replicas = 0, sparse_bytes = 0, peak = 0;
+    int64_t replicas = 0, sparse_bytes = 0, peak = 0, moved = 0;
     for (const nlohmann::json& m : step_metrics(metrics)) {
       EXPECT_EQ(m.at("strategy"), c.strategy.substr(0, c.strategy.find(' ')));
       replicas += m.at("replicas").get<int64_t>();
       sparse_bytes += m.at("sparse_bytes").get<int64_t>();
       peak = std::max(peak, m.at("memory_bytes").at("replicas_peak").get<int64_t>());
+      moved += m.at("experts_moved").get<int64_t>();
     }
+    if (c.strategy.find("--reshard-every") != std::string::npos) {
+      EXPECT_GT(moved, 0) << "no expert shard moved: the re-sharding was not exercised";
+    } else {
+      EXPECT_EQ(moved, 0);
+    }
+    if (c.strategy == smartmoe) continue;  // no replicas by design
     if (c.strategy == "ep") {
       EXPECT_EQ(replicas, 0);
       EXPECT_EQ(sparse_bytes, 0);
@@ -218,6 +229,21 @@ TEST_F(Distributed, ResumeWithADifferentRankCount) {
   TrainRun second = train(4, args + "--resume " + (dir_ / "half").string() + " --checkpoint-dir " + (dir_ / "end").string());
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resume:"), std::string::npos) << second.output;
+  EXPECT_LT(max_param_diff(dir_ / "full", dir_ / "end"), kParamTol);
+}
+
+// A checkpoint written after re-sharding (expert rows of a part no longer contiguous: "rows" lists
+// them) resumes on another rank count with another strategy, and the run goes on as if never stopped.
+TEST_F(Distributed, ResumeAfterReshardingWithAnotherStrategyAndRankCount) {
+  std::string args = model_flags() + "--top-k 2 --router-skew 1.5 --steps 6 --warmup-steps 2 --comm-timeout 20 ";
+  TrainRun full = train(0, args + "--checkpoint-dir " + (dir_ / "full").string());
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  TrainRun first = train(2, args + "--strategy hecate --overlap-degree 2 --replica-slots 2 --reshard-every 2 "
+                                   "--stop-at-step 3 --checkpoint-dir " + (dir_ / "half").string());
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  TrainRun second = train(4, args + "--strategy ep --resume " + (dir_ / "half").string() + " --checkpoint-dir " +
+                                 (dir_ / "end").string());
+  ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_LT(max_param_diff(dir_ / "full", dir_ / "end"), kParamTol);
 }
 

@@ -171,7 +171,8 @@ void copy_into(const std::map<std::string, LoadedTensor>& loaded,
 }
 
 // One file of a part: the tensors (a sharded parameter's rows under its own name) and the metadata
-// "rows" {name: [first, full_rows]} for the sharded ones.
+// "rows" for the sharded ones: {name: [first, full_rows]} for rows [first, first + n), or
+// {name: {"full": full_rows, "rows": [r0, r1, ...]}} for rows held in that order (re-sharded experts).
 Status encode_part(const std::vector<TensorRef>& tensors, const json& rows, std::map<std::string, std::string> meta,
                    std::string* bytes) {
   if (!rows.empty()) meta["rows"] = rows.dump();
@@ -182,6 +183,7 @@ Status encode_part(const std::vector<TensorRef>& tensors, const json& rows, std:
 // the pieces must cover rows [0, full_rows) exactly once and agree in their other dimensions.
 struct Piece {
   int64_t first = 0, full_rows = 0;
+  std::vector<int64_t> ids;  // explicit rows (else [first, first + rows))
   LoadedTensor t;
 };
 Status join_parts(const std::string& what, std::map<std::string, std::vector<Piece>>& pieces,
@@ -191,8 +193,7 @@ Status join_parts(const std::string& what, std::map<std::string, std::vector<Pie
       (*out)[name] = std::move(list[0].t);
       continue;
     }
-    std::sort(list.begin(), list.end(), [](const Piece& a, const Piece& b) { return a.first < b.first; });
-    int64_t next = 0;
+    // Every piece's rows go to their place in the whole tensor; each row exactly once.
     std::vector<int64_t> shape;
     for (const Piece& p : list) {
       if (p.full_rows == 0 || p.t.shape.empty())
@@ -202,18 +203,29 @@ Status join_parts(const std::string& what, std::map<std::string, std::vector<Pie
         shape = p.t.shape;
         shape[0] = p.full_rows;
       }
-      if (p.first != next || p.full_rows != shape[0] || rest != std::vector<int64_t>(shape.begin() + 1, shape.end()))
-        return Status::error(what + ": the parts of tensor " + name + " do not cover its " +
-                             std::to_string(shape[0]) + " rows exactly once (a part starts at row " +
-                             std::to_string(p.first) + ", expected " + std::to_string(next) + ")");
-      next += p.t.shape[0];
+      if (p.full_rows != shape[0] || rest != std::vector<int64_t>(shape.begin() + 1, shape.end()))
+        return Status::error(what + ": the parts of tensor " + name + " disagree on its shape");
     }
-    if (next != shape[0])
-      return Status::error(what + ": the parts of tensor " + name + " hold " + std::to_string(next) + " of its " +
-                           std::to_string(shape[0]) + " rows");
+    int64_t row_elems = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row_elems *= shape[d];
     LoadedTensor whole;
     whole.shape = shape;
-    for (const Piece& p : list) whole.data.insert(whole.data.end(), p.t.data.begin(), p.t.data.end());
+    whole.data.assign(static_cast<size_t>(shape[0] * row_elems), 0.0f);
+    std::vector<char> seen(static_cast<size_t>(shape[0]), 0);
+    for (const Piece& p : list)
+      for (int64_t i = 0; i < p.t.shape[0]; ++i) {
+        const int64_t row = p.ids.empty() ? p.first + i : p.ids[i];
+        if (row < 0 || row >= shape[0] || seen[row])
+          return Status::error(what + ": the parts of tensor " + name + " do not cover its " +
+                               std::to_string(shape[0]) + " rows exactly once (row " + std::to_string(row) + ")");
+        seen[row] = 1;
+        std::copy(p.t.data.begin() + i * row_elems, p.t.data.begin() + (i + 1) * row_elems,
+                  whole.data.begin() + row * row_elems);
+      }
+    const int64_t held = std::count(seen.begin(), seen.end(), 1);
+    if (held != shape[0])
+      return Status::error(what + ": the parts of tensor " + name + " hold " + std::to_string(held) + " of its " +
+                           std::to_string(shape[0]) + " rows");
     (*out)[name] = std::move(whole);
   }
   return Status::ok();
@@ -262,11 +274,21 @@ Status read_kind(const std::string& dir, const json& st, const char* kind, std::
       Piece piece;
       if (rows.contains(name)) {
         const json& r = rows[name];
-        if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() || !r[1].is_number_integer() ||
-            t.shape.empty() || r[0].get<int64_t>() < 0 || r[1].get<int64_t>() < 1)
+        const bool range = r.is_array() && r.size() == 2 && r[0].is_number_integer() && r[1].is_number_integer() &&
+                           r[0].get<int64_t>() >= 0 && r[1].get<int64_t>() >= 1;
+        const bool listed = r.is_object() && r.contains("full") && r["full"].is_number_integer() &&
+                            r["full"].get<int64_t>() >= 1 && r.contains("rows") && r["rows"].is_array() &&
+                            !t.shape.empty() && static_cast<int64_t>(r["rows"].size()) == t.shape[0] &&
+                            std::all_of(r["rows"].begin(), r["rows"].end(), [](const json& x) { return x.is_number_integer(); });
+        if (t.shape.empty() || (!range && !listed))
           return Status::error(what + ": " + file + " has malformed \"rows\" for tensor " + name);
-        piece.first = r[0].get<int64_t>();
-        piece.full_rows = r[1].get<int64_t>();
+        if (range) {
+          piece.first = r[0].get<int64_t>();
+          piece.full_rows = r[1].get<int64_t>();
+        } else {
+          piece.full_rows = r["full"].get<int64_t>();
+          piece.ids = r["rows"].get<std::vector<int64_t>>();
+        }
       }
       piece.t = std::move(t);
       auto& list = pieces[name];
@@ -327,13 +349,16 @@ Status write_checkpoint_part(const std::string& staging, int part, int n_parts, 
   for (size_t i = 0; i < opt.params().size(); ++i) {
     const Param* p = opt.params()[i];
     if (!p->sharded() && !with_replicated) continue;
+    if (p->sharded() && p->value.dim(0) == 0) continue;  // this part holds none of its rows
     weights.push_back({p->name, p->value.shape(), p->value.data()});
     moments.push_back({p->name + ".m", p->value.shape(), opt.m(i).data()});
     moments.push_back({p->name + ".v", p->value.shape(), opt.v(i).data()});
     if (p->sharded()) {
-      rows[p->name] = {p->shard_begin, p->full_dim0};
-      moment_rows[p->name + ".m"] = {p->shard_begin, p->full_dim0};
-      moment_rows[p->name + ".v"] = {p->shard_begin, p->full_dim0};
+      const json r = p->shard_rows.empty() ? json{p->shard_begin, p->full_dim0}
+                                           : json{{"full", p->full_dim0}, {"rows", p->shard_rows}};
+      rows[p->name] = r;
+      moment_rows[p->name + ".m"] = r;
+      moment_rows[p->name + ".v"] = r;
     }
   }
   std::map<std::string, std::string> model_meta{{"format", "moe"}};

@@ -179,6 +179,15 @@ class MoeLayer {
   // Assignments each rank of the ep group routes to each expert this step after capacity dropping,
   // [R][E]. Valid after ep_gate_sync (computed from the synced counts, the same on every rank).
   std::vector<std::vector<int64_t>> routed_counts() const;
+  // Re-sharding (Hecate's Alg. 2, SmartMoE): expert e's shard moves to rank new_owner[e] with its
+  // optimizer state. moments[i]: the AdamW first and second moments of expert_params()[i], moved and
+  // reallocated here with the values (Param::shard_rows says which experts a rank then owns, in
+  // ascending order). Gradients restart at zero; placement() becomes the new owners. Collective over
+  // the ep group (on the gather communicator, idle between steps). Returns the experts that moved.
+  // REQUIRES: placements enabled, between steps (no replica held), new_owner [E] in [0, R),
+  // moments.size() == expert_params().size() with tensors of the params' shapes (std::logic_error).
+  int reshard(const std::vector<int>& new_owner, const std::vector<std::pair<Tensor*, Tensor*>>& moments);
+  std::vector<Param*> expert_params();  // w1, w2 (, w3 for SwiGLU)
   // Bytes this rank sent to each ep rank in the last ep_materialize / ep_reduce_replica_grads.
   const std::vector<int64_t>& sparse_peer_bytes() const { return sparse_peer_bytes_; }
   // Bytes this rank sent + received in sparse collectives since the last call (then reset).
@@ -237,6 +246,7 @@ class MoeLayer {
   bool placed_ = false;
   plan::Nodes nodes_;
   plan::LayerPlacement owners_, placement_, held_;  // held_: materialized now
+  std::vector<int> owned_;                      // experts this rank owns, ascending (rows of w1_, w2_, w3_)
   std::vector<int> replica_expert_;             // [S] the expert in each used replica slot, in gather order
   std::vector<int> released_order_;             // replica_expert_ at the last release_replicas
   // Replica slots: weights rw1_ [S,F,C], rw2_ [S,C,F], rw3_ [S,F,C] (SwiGLU) and their gradients.

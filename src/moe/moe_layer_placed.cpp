@@ -67,6 +67,7 @@ void MoeLayer::enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory
   nodes_ = nodes;
   owners_ = plan::even_placement(static_cast<int>(cfg_.n_experts), R);
   placement_ = held_ = owners_;
+  owned_ = owners_.experts_owned_by(ep_->rank());
   xs_.resize({max_tokens_ * cfg_.top_k, cfg_.d_model});
   local_offset_.reserve(cfg_.n_experts + 1);
 }
@@ -85,7 +86,7 @@ void MoeLayer::set_placement(const plan::LayerPlacement& p) {
 }
 
 int64_t MoeLayer::held_experts() const {
-  return cfg_.n_experts / ep_->size() + static_cast<int64_t>(replica_expert_.size());
+  return static_cast<int64_t>(owned_.size() + replica_expert_.size());
 }
 
 void MoeLayer::ensure_replica_slots(int64_t slots) {
@@ -113,8 +114,7 @@ void MoeLayer::ensure_replica_slots(int64_t slots) {
 }
 
 std::vector<float*> MoeLayer::chunk_pointers(bool grads) {
-  const int64_t E = cfg_.n_experts, FC = cfg_.d_ffn * cfg_.d_model, El = E / ep_->size();
-  const int me = ep_->rank();
+  const int64_t E = cfg_.n_experts, FC = cfg_.d_ffn * cfg_.d_model;
   const bool swiglu = cfg_.activation == Activation::swiglu;
   std::vector<Tensor*> owned{grads ? &w1_.grad : &w1_.value, grads ? &w2_.grad : &w2_.value};
   std::vector<Tensor*> slots{grads ? &rg1_ : &rw1_, grads ? &rg2_ : &rw2_};
@@ -125,8 +125,7 @@ std::vector<float*> MoeLayer::chunk_pointers(bool grads) {
   const int64_t W = static_cast<int64_t>(owned.size());
   std::vector<float*> chunks(W * E, nullptr);
   for (int64_t w = 0; w < W; ++w) {
-    for (int64_t e = 0; e < E; ++e)
-      if (owners_.owner[e] == me) chunks[w * E + e] = owned[w]->data() + (e - me * El) * FC;
+    for (size_t i = 0; i < owned_.size(); ++i) chunks[w * E + owned_[i]] = owned[w]->data() + static_cast<int64_t>(i) * FC;
     for (size_t s = 0; s < replica_expert_.size(); ++s)
       chunks[w * E + replica_expert_[s]] = slots[w]->data() + static_cast<int64_t>(s) * FC;
   }
@@ -200,6 +199,77 @@ void MoeLayer::release_replicas(bool free_memory) {
   }
 }
 
+std::vector<Param*> MoeLayer::expert_params() {
+  std::vector<Param*> p{&w1_, &w2_};
+  if (cfg_.activation == Activation::swiglu) p.push_back(&w3_);
+  return p;
+}
+
+int MoeLayer::reshard(const std::vector<int>& new_owner, const std::vector<std::pair<Tensor*, Tensor*>>& moments) {
+  const int64_t E = cfg_.n_experts, FC = cfg_.d_ffn * cfg_.d_model;
+  const int R = ep_ ? ep_->size() : 0;
+  std::vector<Param*> params = expert_params();
+  if (!placed_ || held_.replicas != owners_.replicas)
+    throw std::logic_error("MoeLayer::reshard: REQUIRES placements enabled and no replica held");
+  if (static_cast<int64_t>(new_owner.size()) != E || moments.size() != params.size())
+    throw std::logic_error("MoeLayer::reshard: REQUIRES an owner per expert and moments per expert parameter");
+  for (int o : new_owner)
+    if (o < 0 || o >= R) throw std::logic_error("MoeLayer::reshard: an owner outside the ep group");
+  for (size_t i = 0; i < params.size(); ++i)
+    if (moments[i].first->numel() != params[i]->value.numel() || moments[i].second->numel() != params[i]->value.numel())
+      throw std::logic_error("MoeLayer::reshard: moments of another shape than their parameter");
+  const int me = ep_->rank();
+  plan::LayerPlacement next;
+  next.n_ranks = R;
+  next.owner = new_owner;
+  for (int64_t e = 0; e < E; ++e) next.replicas.push_back({new_owner[e]});
+  const std::vector<int> next_owned = next.experts_owned_by(me);
+  // Chunks (k, w, e): tensor k (value, first moment, second moment) of parameter w of expert e. The
+  // move is a SparseAllGather from the old owner to {old, new}; then each rank keeps its new rows.
+  const int64_t W = static_cast<int64_t>(params.size()), n_next = static_cast<int64_t>(next_owned.size());
+  std::vector<Tensor*> old_t;
+  std::vector<Tensor> new_t;
+  for (int64_t w = 0; w < W; ++w)
+    for (Tensor* t : {&params[w]->value, moments[w].first, moments[w].second}) {
+      old_t.push_back(t);
+      std::vector<int64_t> shape = t->shape();
+      shape[0] = n_next;
+      new_t.emplace_back(shape);
+    }
+  comm::Placement before, after;
+  std::vector<float*> chunks;
+  auto index_in = [](const std::vector<int>& v, int e) {
+    return static_cast<int64_t>(std::lower_bound(v.begin(), v.end(), e) - v.begin());
+  };
+  for (size_t k = 0; k < old_t.size(); ++k)
+    for (int64_t e = 0; e < E; ++e) {
+      const int from = owners_.owner[e], to = new_owner[e];
+      before.push_back({from});
+      after.push_back(from == to ? std::vector<int>{from} : std::vector<int>{std::min(from, to), std::max(from, to)});
+      float* p = nullptr;
+      if (to == me) p = new_t[k].data() + index_in(next_owned, static_cast<int>(e)) * FC;
+      if (from == me && to != me) p = old_t[k]->data() + index_in(owned_, static_cast<int>(e)) * FC;
+      if (from == me && to == me)  // stays: copy it over here
+        std::copy(old_t[k]->data() + index_in(owned_, static_cast<int>(e)) * FC,
+                  old_t[k]->data() + (index_in(owned_, static_cast<int>(e)) + 1) * FC, p);
+      chunks.push_back(p);
+    }
+  const comm::SparsePlan plan = comm::plan_sparse_allgather(before, after, R);
+  check(comm::sparse_allgather(*gather_, plan, chunks, FC));
+  int moved = 0;
+  for (int64_t e = 0; e < E; ++e) moved += owners_.owner[e] != new_owner[e] ? 1 : 0;
+  for (size_t k = 0; k < old_t.size(); ++k) *old_t[k] = std::move(new_t[k]);
+  for (Param* p : params) {
+    p->grad = Tensor(p->value.shape());
+    p->shard_rows.assign(next_owned.begin(), next_owned.end());
+    p->shard_begin = 0;
+    p->full_dim0 = E;
+  }
+  owners_ = placement_ = held_ = next;
+  owned_ = next_owned;
+  return moved;
+}
+
 int64_t MoeLayer::take_sparse_bytes() {
   const int64_t b = sparse_bytes_;
   sparse_bytes_ = 0;
@@ -269,12 +339,11 @@ void MoeLayer::placed_dispatch_a2a() {
 }
 
 void MoeLayer::placed_experts() {
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, E = cfg_.n_experts, R = ep_->size(), me = ep_->rank();
-  const int64_t El = E / R, H = held_experts(), rows = expert_rows_;
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, R = ep_->size(), me = ep_->rank();
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = held_experts(), rows = expert_rows_;
   // Held experts in compute order: owned ascending, then the replica slots.
-  std::vector<int> held;
+  std::vector<int> held(owned_);
   held.reserve(H);
-  for (int64_t el = 0; el < El; ++el) held.push_back(static_cast<int>(me * El + el));
   held.insert(held.end(), replica_expert_.begin(), replica_expert_.end());
   perm_.resize(rows);
   inv_perm_.resize(rows);
@@ -317,8 +386,8 @@ void MoeLayer::placed_combine_a2a_bwd() {
 }
 
 void MoeLayer::placed_experts_bwd() {
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, E = cfg_.n_experts, R = ep_->size();
-  const int64_t El = E / R, H = held_experts(), rows = expert_rows_;
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = held_experts(), rows = expert_rows_;
   const bool swiglu = cfg_.activation == Activation::swiglu;
   gather_rows(de_.data(), dr_.data(), perm_.data(), rows, C);
   experts_backward(dxe_.data(), w1_.grad.data(), w2_.grad.data(), swiglu ? w3_.grad.data() : nullptr, dact_.data(),

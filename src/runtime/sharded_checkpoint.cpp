@@ -73,9 +73,15 @@ Status load_sharded_checkpoint(const std::string& dir, AdamW* opt, nlohmann::jso
     Param* p = opt->params()[i];
     const Tensor* whole[3] = {&full.params[i]->value, &full.opt->m(i), &full.opt->v(i)};
     Tensor* mine[3] = {&p->value, &opt->m(i), &opt->v(i)};
-    const int64_t first = p->sharded() ? p->shard_begin * row_size(*whole[0]) : 0;
-    for (int k = 0; k < 3; ++k)
-      std::copy(whole[k]->data() + first, whole[k]->data() + first + mine[k]->numel(), mine[k]->data());
+    if (!p->sharded()) {
+      for (int k = 0; k < 3; ++k) std::copy(whole[k]->data(), whole[k]->data() + mine[k]->numel(), mine[k]->data());
+      continue;
+    }
+    const int64_t n = row_size(*whole[0]);
+    for (int64_t i = 0; i < p->value.dim(0); ++i)
+      for (int k = 0; k < 3; ++k)
+        std::copy(whole[k]->data() + p->shard_row(i) * n, whole[k]->data() + (p->shard_row(i) + 1) * n,
+                  mine[k]->data() + i * n);
   }
   opt->set_steps(full.opt->steps());
   return Status::ok();

@@ -1,6 +1,7 @@
 // Training strategies: see strategy.h.
 #include "runtime/strategy.h"
 
+#include <map>
 #include <numeric>
 
 #include "plan/baselines.h"
@@ -10,11 +11,13 @@
 namespace moe::runtime {
 
 Strategy::Strategy(const TrainConfig& cfg) : cfg_(cfg) {
-  if (cfg_.strategy == "hecate") {
+  if (cfg_.strategy == "hecate" || cfg_.strategy == "smartmoe") {
+    // SmartMoE averages the loads since its last update: a window of reshard_every steps.
+    const int64_t window = cfg_.strategy == "smartmoe" ? std::max<int64_t>(1, cfg_.reshard_every) : cfg_.load_window;
     int moe_layers = 0;
     for (int64_t l = 0; l < cfg_.model.n_layers; ++l) moe_layers += cfg_.model.is_moe_layer(l) ? 1 : 0;
     predictor_ = std::make_unique<plan::LoadPredictor>(std::max(1, moe_layers), static_cast<int>(cfg_.model.n_experts),
-                                                       static_cast<int>(cfg_.load_window));
+                                                       static_cast<int>(window));
   }
 }
 
@@ -33,7 +36,7 @@ Status Strategy::ep_size(int world, int* out) const {
 
 void Strategy::configure(graph::EpStepOptions* opt) const {
   if (opt->world == 1) return;  // one process: nothing to place
-  opt->gather_before_gate = cfg_.strategy == "hecate";
+  opt->gather_before_gate = cfg_.strategy == "hecate";  // smartmoe: placements without replicas
   opt->rematerialize = cfg_.strategy == "hecate" && cfg_.rematerialize;
   // Hecate calibrates after the gate (a second gather, only when its cost model says it pays).
   opt->gather_after_gate = cfg_.strategy == "fastermoe" || cfg_.strategy == "hecate";
@@ -97,6 +100,38 @@ Status Strategy::place(Model& model, int64_t layer) {
   fm.gemm_flops = cfg_.gemm_gflops * 1e9;
   moe->set_placement(plan::fastermoe_plan(moe->owners(), moe->routed_counts(), fm));
   return Status::ok();
+}
+
+int Strategy::reshard(Model& model, AdamW& opt, int64_t done) {
+  if ((cfg_.strategy != "hecate" && cfg_.strategy != "smartmoe") || cfg_.reshard_every <= 0 ||
+      done % cfg_.reshard_every != 0 || !predictor_)
+    return 0;
+  std::vector<MoeLayer*> layers;
+  for (int64_t l = 0; l < model.n_blocks(); ++l)
+    if (MoeLayer* m = model.moe_layer(l); m && m->placements_enabled()) layers.push_back(m);
+  if (layers.empty()) return 0;
+  std::vector<std::vector<double>> loads;
+  for (size_t i = 0; i < layers.size(); ++i) loads.push_back(predictor_->predict(static_cast<int>(i)));
+  std::vector<std::vector<int>> owners;
+  if (cfg_.strategy == "hecate") {
+    owners = plan::heterogeneous_sharding(loads, overlap_degree_, nodes_);
+  } else {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const plan::SmartMoePlan p =
+          plan::smartmoe_plan(layers[i]->owners().owner, layers[i]->owners().n_ranks, loads[i],
+                              static_cast<int>(cfg_.reshard_every), plan::SmartMoeConfig{static_cast<int>(cfg_.reshard_every)});
+      owners.push_back(p.owner);
+    }
+  }
+  std::map<const Param*, size_t> index;
+  for (size_t i = 0; i < opt.params().size(); ++i) index[opt.params()[i]] = i;
+  int moved = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    std::vector<std::pair<Tensor*, Tensor*>> moments;
+    for (Param* p : layers[i]->expert_params()) moments.push_back({&opt.m(index.at(p)), &opt.v(index.at(p))});
+    moved += layers[i]->reshard(owners[i], moments);
+  }
+  return moved;
 }
 
 void Strategy::observe(const std::vector<std::vector<int64_t>>& loads) {

@@ -10,8 +10,14 @@
 //              backward; --rematerialize frees replicas after forward and gathers them again.
 //              After the gate, the calibration (plan::calibrate) gathers more replicas when the
 //              actual loads differ from the prediction enough to pay for a second gather.
+//              Every reshard_every steps Alg. 2 (plan::heterogeneous_sharding) re-assigns the owners
+//              of all MoE layers together from the predicted loads; shards move with their Adam
+//              moments (MoeLayer::reshard).
 //   fastermoe  FasterMoE's dynamic shadowing: after each gate, its cost model picks the hottest
 //              experts to broadcast to every rank (plan::fastermoe_plan), on the critical path.
+//   smartmoe   SmartMoE's expert swaps: no replicas; every reshard_every steps its greedy
+//              (plan::smartmoe_plan) re-assigns each layer's experts from the loads averaged over
+//              those steps, adopted only when the busiest rank's load drops.
 //
 // The planners are pure (src/plan); this class keeps what persists across steps (the load predictor)
 // and applies plans to the model. Every rank holds the same Strategy state, fed the same all-reduced
@@ -27,6 +33,7 @@
 
 #include "graph/ep_builder.h"
 #include "model/model.h"
+#include "model/optimizer.h"
 #include "plan/load_predictor.h"
 #include "plan/placement.h"
 #include "runtime/train_config.h"
@@ -58,6 +65,9 @@ class Strategy {
   Status place(Model& model, int64_t layer);
   // After a step: every MoE layer's global tokens per expert [L][E] (the same on every rank).
   void observe(const std::vector<std::vector<int64_t>>& loads);
+  // After the optimizer of step `done` (1-based): re-shards when due (hecate, smartmoe), moving
+  // shards with their AdamW moments. Collective over the ranks. Returns the experts that moved.
+  int reshard(Model& model, AdamW& opt, int64_t done);
 
   // Replica slots m per rank and layer (hecate).
   int replica_slots(int64_t n_experts, int world) const;

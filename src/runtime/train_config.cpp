@@ -62,8 +62,9 @@ Status TrainConfig::validate() const {
   if (ranks_per_node < 0) return fail("ranks_per_node must be >= 0 (0: as MPI finds them)");
   if (allreduce_micro_kb < 0) return fail("allreduce_micro_kb must be >= 0 (0: no micro-ops)");
   if (trace_steps < 1) return fail("trace_steps must be >= 1");
-  if (strategy != "ep" && strategy != "hecate" && strategy != "fastermoe")
-    return fail("strategy '" + strategy + "' is not one of ep, hecate, fastermoe");
+  if (strategy != "ep" && strategy != "hecate" && strategy != "fastermoe" && strategy != "smartmoe")
+    return fail("strategy '" + strategy + "' is not one of ep, hecate, fastermoe, smartmoe");
+  if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
   if (rematerialize && strategy != "hecate") return fail("rematerialize applies to strategy hecate only");
   if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");
   if (overlap_degree < -1) return fail("overlap_degree must be >= 0 (-1: from the measured attention time)");
@@ -123,6 +124,7 @@ json TrainConfig::to_json() const {
               {"load_window", load_window},
               {"link_gbs", link_gbs},
               {"gemm_gflops", gemm_gflops},
+              {"reshard_every", reshard_every},
               {"model", model.to_json()}};
 }
 
@@ -134,7 +136,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
                                 "stop_at_step", "threads", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
-                                "replica_slots", "overlap_degree", "load_window", "link_gbs", "gemm_gflops",
+                                "replica_slots", "overlap_degree", "load_window", "link_gbs", "gemm_gflops", "reshard_every",
                                 "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
@@ -159,7 +161,8 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "trace_steps", &c.trace_steps)) && (s = read_key(j, "strategy", &c.strategy)) &&
       (s = read_key(j, "rematerialize", &c.rematerialize)) && (s = read_key(j, "replica_slots", &c.replica_slots)) &&
       (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
-      (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops))) {
+      (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops)) &&
+      (s = read_key(j, "reshard_every", &c.reshard_every))) {
   }
   if (!s) return s;
   if (auto it = j.find("model"); it != j.end()) {

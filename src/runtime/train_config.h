@@ -47,8 +47,9 @@ struct TrainConfig {
   std::string trace;              // Chrome trace JSON of the first trace_steps steps, all ranks; empty = none
   int64_t trace_steps = 5;
   // Where experts live during a step (runtime/strategy.h): "ep" (static expert parallelism),
-  // "hecate" (FSSDP: sparse materialization of the predicted-hot experts behind attention), or
-  // "fastermoe" (shadow the hottest experts on every rank after the gate). Every strategy computes
+  // "hecate" (FSSDP: sparse materialization of the predicted-hot experts behind attention, and
+  // heterogeneous re-sharding), "fastermoe" (shadow the hottest experts on every rank after the
+  // gate), or "smartmoe" (swap experts between ranks every reshard_every steps). Every strategy computes
   // the same mathematics; only speed differs.
   std::string strategy = "ep";
   bool rematerialize = false;     // hecate: free replicas after forward, gather them again for backward
@@ -57,6 +58,7 @@ struct TrainConfig {
   int64_t load_window = 5;        // hecate: steps of the sliding-window load prediction
   double link_gbs = 10;           // GB/s the planners' cost models assume for moving expert weights
   double gemm_gflops = 100;       // GFLOP/s FasterMoE's cost model assumes for expert GEMMs
+  int64_t reshard_every = 100;    // hecate (Alg. 2), smartmoe: re-shard experts every N steps (0: never)
 
   // Every field and combination; the message names the key and value.
   Status validate() const;

@@ -179,7 +179,7 @@ json resume_identity(const TrainConfig& c) {
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops"})
+                        "load_window", "link_gbs", "gemm_gflops", "reshard_every"})
     j.erase(k);
   return j;
 }
@@ -544,6 +544,14 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       per_layer_rank_tokens.push_back(per_rank);
       per_layer_rank_imbalance.push_back(imbalance(per_rank));
     }
+    // The strategy learns this step's loads, then re-shards when due (Hecate's Alg. 2, SmartMoE).
+    strategy.observe(global_loads);
+    int experts_moved = 0;
+    try {
+      experts_moved = strategy.reshard(model, opt, done);
+    } catch (const std::runtime_error& e) {
+      return Status::error(std::string("re-sharding: ") + e.what());
+    }
     metrics.write({{"step", done},
                    {"loss", loss},
                    {"aux_loss", model.aux_loss()},
@@ -569,6 +577,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                    {"replicas", replicas},
                    {"overlap_degree", overlap_used},
                    {"calibrations", strategy.take_calibrations()},
+                   {"experts_moved", experts_moved},
                    {"sparse_bytes", sparse_bytes},
                    // Per rank (the largest): parameters held, their gradients (the same size) and
                    // AdamW's two moments, plus the peak of materialized replicas (weights + grads).
@@ -577,7 +586,6 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                      {"grads", memory[0]},
                      {"optimizer", 2 * memory[0]},
                      {"replicas_peak", memory[1]}}}});
-    strategy.observe(global_loads);
 
     if (done % cfg.log_every == 0 || done == end) {
       std::ostringstream load;

@@ -53,11 +53,15 @@ struct Param {
   Tensor value;
   Tensor grad;
   bool decay = true;
-  // Sharded parameters (expert parallelism): this process holds rows [shard_begin, shard_begin +
-  // value.dim(0)) of a tensor whose full first dimension is full_dim0 and whose name is `name`.
-  // full_dim0 == 0: not sharded, the whole tensor (replicated on every rank).
+  // Sharded parameters (expert parallelism): this process holds some rows of a tensor whose full
+  // first dimension is full_dim0 and whose name is `name`: rows shard_rows (ascending) when that is
+  // not empty (experts re-sharded to arbitrary owners), else rows [shard_begin, shard_begin +
+  // value.dim(0)). full_dim0 == 0: not sharded, the whole tensor (replicated on every rank).
   int64_t shard_begin = 0, full_dim0 = 0;
+  std::vector<int64_t> shard_rows;
   bool sharded() const { return full_dim0 > 0; }
+  // The full tensor's row held as row i of value. REQUIRES: sharded(), 0 <= i < value.dim(0).
+  int64_t shard_row(int64_t i) const { return shard_rows.empty() ? shard_begin + i : shard_rows[i]; }
   Param(std::string n, std::vector<int64_t> shape, bool wd = true)
       : name(std::move(n)), value(shape), grad(shape), decay(wd) {}
 };
