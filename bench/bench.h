@@ -46,4 +46,18 @@ int cluster_ep_training(const BenchOptions& opt);
 // expert GEMM time max/mean, rank imbalance, sparse-collective bytes. Starts mpirun itself.
 int strategies(const BenchOptions& opt);
 
+// The simulator's speed (bench/sim.cpp): wall time to simulate one training step of a 12-layer,
+// 64-expert GPT-MoE on 32, 256, 1024 and 4096 H100 GPUs, next to the goals. Returns the exit code.
+int sim_speed(const BenchOptions& opt);
+
+// The simulator's fidelity (bench/sim.cpp): calibrate on a real 2-rank run, predict 4 ranks, a larger
+// batch and more experts, measure them for real in the same run; predicted vs measured step time.
+int sim_fidelity(const BenchOptions& opt);
+
+// The Hecate paper's setting in the simulator (bench/sim_strategies.cpp): GPT-MoE-S and BERT-MoE
+// (its Table 1) on 16 and 32 V100s (p3dn.24xlarge) and 32 A100s (p4d.24xlarge), Zipf-drifting load
+// (and a recorded `moe train --metrics` file from MOE_SIM_LOAD), strategies ep / fastermoe / hecate /
+// hecate-rm: step time, MoE-layer time, speedup over EP, next to the paper's speedups. Returns the exit code.
+int sim_strategies(const BenchOptions& opt);
+
 }  // namespace moe::bench

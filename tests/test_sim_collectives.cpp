@@ -233,6 +233,43 @@ TEST(SimCollectives, AllreduceAndAlltoallSharingANicSlowEachOtherByTheFairShare)
   EXPECT_NEAR(run(alone)[0].end, alltoall_alone, 1e-12);
 }
 
+// Aggregated flows (collectives.h) on 4 H100 HGX nodes: a skewed all-to-all (every member sends most
+// to member 0, as tokens to a hot expert) and a uniform one finish when the exact ones do, with far
+// fewer flows; an aggregated ring allreduce ends on every member at once.
+TEST(SimCollectives, AggregatedFlowsKeepTheReceiversBottleneck) {
+  ClusterSpec spec;
+  ASSERT_TRUE(preset_cluster("h100x8-hgx", 4, &spec));
+  const Cluster cluster(spec);
+  const int p = 32;
+  for (double s : {0.0, 1.0}) {
+    CollectiveSpec a = spec_of(CollectiveKind::alltoallv, iota(p), 0);
+    a.peer_bytes.assign(p * p, 0);
+    double wsum = 0;
+    for (int j = 0; j < p; ++j) wsum += 1 / std::pow(j + 1.0, s);
+    for (int i = 0; i < p; ++i)
+      for (int j = 0; j < p; ++j)
+        if (i != j) a.peer_bytes[i * p + j] = 8e6 * p / std::pow(j + 1.0, s) / wsum;
+    Collectives exact(cluster), aggregated(cluster);
+    exact.start(a);
+    a.aggregate = true;
+    aggregated.start(a);
+    const std::vector<FinishedCollective> e = run(exact), g = run(aggregated);
+    ASSERT_EQ(e.size(), 1u);
+    ASSERT_EQ(g.size(), 1u);
+    EXPECT_NEAR(g[0].end, e[0].end, 1e-9 * e[0].end) << "s=" << s;
+    for (int m = 0; m < p; ++m) EXPECT_NEAR(g[0].member_end[m], e[0].member_end[m], 1e-9 * e[0].end) << m;
+    EXPECT_LT(aggregated.transfers_started() * 2, exact.transfers_started());
+  }
+  CollectiveSpec ar = spec_of(CollectiveKind::allreduce, iota(p), 64e6);
+  ar.aggregate = true;
+  Collectives colls(cluster);
+  colls.start(ar);
+  const std::vector<FinishedCollective> done = run(colls);
+  ASSERT_EQ(done.size(), 1u);
+  for (double t : done[0].member_end) EXPECT_EQ(t, done[0].end);
+  EXPECT_EQ(colls.transfers_started(), p);
+}
+
 TEST(SimCollectives, HierarchicalAllreduceMatchesItsClosedForm) {
   // m nodes of k GPUs on an NVSwitch (bandwidth Bi per GPU), one NIC per node (Bn): per node a ring
   // reduce-scatter and allgather of S over k GPUs; per local index a ring allreduce of S/k over the m

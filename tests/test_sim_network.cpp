@@ -44,6 +44,21 @@ TEST(SimNetwork, EqualFlowsOnOneLinkShareItAndEndTogether) {
   }
 }
 
+// A flow of weight w stands for w flows (aggregated transfers): it gets w shares of a shared link, and
+// a link it shares with a narrower bottleneck's flow gives it what that flow leaves.
+TEST(SimNetwork, WeightedFlowsGetTheirSharesOfMaxMin) {
+  Network net = links({8e9, 1e9});
+  const int heavy = net.start_flow({0}, 1e12, 0, 3);
+  const int light = net.start_flow({0}, 1e12, 0, 1);
+  EXPECT_DOUBLE_EQ(net.rate(heavy), 6e9);
+  EXPECT_DOUBLE_EQ(net.rate(light), 2e9);
+  const int capped = net.start_flow({0, 1}, 1e12, 0, 4);  // 1 GB/s at most (link 1)
+  EXPECT_DOUBLE_EQ(net.rate(capped), 1e9);
+  EXPECT_DOUBLE_EQ(net.rate(heavy), 5.25e9);  // 7 GB/s left, 3 : 1
+  EXPECT_DOUBLE_EQ(net.rate(light), 1.75e9);
+  EXPECT_THROW(net.start_flow({0}, 1, 0, 0), std::logic_error);
+}
+
 TEST(SimNetwork, MaxMinOnTheClassicThreeLinkExample) {
   // Bertsekas & Gallager, Data Networks, sec. 6.5.2: links of equal capacity; flow 0 crosses all
   // three, flows 1, 2 cross link 0, link 1, and flows 3, 4 link 2. Link 2 is the bottleneck of

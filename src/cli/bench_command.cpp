@@ -6,10 +6,11 @@ namespace moe::cli {
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   CLI::App* c = app.add_subcommand("bench", "run a benchmark and print its table (see bench/README.md)");
   c->add_option("name", f->name, "benchmark: moe-layer, collectives (under mpirun), ep-training, sparse-collectives (under mpirun), strategies, "
-                "cluster-collectives, cluster-ep-training (root: emulated cluster)")
+                "cluster-collectives, cluster-ep-training (root: emulated cluster), sim, sim-fidelity, sim-strategies")
       ->required()
       ->check(CLI::IsMember({"moe-layer", "collectives", "ep-training", "sparse-collectives", "strategies",
-                             "cluster-collectives", "cluster-ep-training"}));
+                             "cluster-collectives", "cluster-ep-training", "sim", "sim-fidelity",
+                             "sim-strategies"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   c->add_option("--repeats", f->repeats, "timed repetitions (the median is reported)")->check(CLI::PositiveNumber);
   c->add_flag("--skip-torch", f->skip_torch, "do not run the PyTorch peer");
@@ -22,6 +23,9 @@ int run_bench(const BenchFlags& f) {
   if (f.name == "ep-training") return bench::ep_training(opt);
   if (f.name == "sparse-collectives") return bench::sparse_collectives(opt);
   if (f.name == "strategies") return bench::strategies(opt);
+  if (f.name == "sim") return bench::sim_speed(opt);
+  if (f.name == "sim-fidelity") return bench::sim_fidelity(opt);
+  if (f.name == "sim-strategies") return bench::sim_strategies(opt);
   if (f.name == "cluster-collectives") return bench::cluster_collectives(opt);
   if (f.name == "cluster-ep-training") return bench::cluster_ep_training(opt);
   return bench::moe_layer(opt);

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "runtime/train_config.h"
+#include "sim/simulate.h"
 
 namespace moe::cli {
 
@@ -41,5 +42,26 @@ CLI::App* add_cluster_command(CLI::App& app, ClusterFlags* flags);
 int run_cluster(const CLI::App& cmd, ClusterFlags& flags);
 // The script `moe cluster` runs: $MOE_CLUSTER_SCRIPT, else scripts/cluster.sh of the source tree.
 std::string cluster_script();
+
+// `moe sim` (src/cli/sim_command.cpp): a simulated run on a modeled cluster, or --calibrate.
+struct SimFlags {
+  std::string cluster;             // preset name or cluster JSON file
+  int nodes = 1;
+  std::string model;               // ModelConfig JSON (empty: the defaults)
+  std::string strategy = "ep";
+  std::string load = "uniform";
+  int steps = 10;
+  int64_t batch = 0;               // global sequences per step (0: 4 per rank)
+  int ranks = 0;                   // 0: every device
+  int ep_size = 0;                 // 0: largest divisor of ranks and experts
+  int64_t allreduce_micro_kb = 256;
+  std::string aggregate = "auto";
+  bool hierarchical_allreduce = false;
+  std::string trace, metrics;
+  std::string calibrate, out;
+  sim::PlacementOptions placement;  // hecate, fastermoe
+};
+CLI::App* add_sim_command(CLI::App& app, SimFlags* flags);
+int run_sim(const SimFlags& flags);
 
 }  // namespace moe::cli

@@ -1,4 +1,4 @@
-// The `moe` command: train, bench, cluster. Each subcommand validates everything before any work and
+// The `moe` command: train, bench, sim. Each subcommand validates everything before any work and
 // exits non-zero with one clear message on bad input.
 #include <cstdio>
 #include <exception>
@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   CLI::App* bench_cmd = moe::cli::add_bench_command(app, &bench);
   moe::cli::ClusterFlags cluster;
   CLI::App* cluster_cmd = moe::cli::add_cluster_command(app, &cluster);
+  moe::cli::SimFlags sim;
+  CLI::App* sim_cmd = moe::cli::add_sim_command(app, &sim);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -27,6 +29,7 @@ int main(int argc, char** argv) {
     if (train_cmd->parsed()) return moe::cli::run_train(*train_cmd, train);
     if (bench_cmd->parsed()) return moe::cli::run_bench(bench);
     if (cluster_cmd->parsed()) return moe::cli::run_cluster(*cluster_cmd, cluster);
+    if (sim_cmd->parsed()) return moe::cli::run_sim(sim);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe: error: %s\n", e.what());
     return 1;

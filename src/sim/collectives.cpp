@@ -21,14 +21,19 @@ struct Plan {
   struct Item {
     int src, dst;
     double bytes;
+    double alpha_steps;
+    double weight;
   };
   std::vector<Item> items;
   std::vector<std::pair<int, int>> edges;
   std::vector<std::vector<int>> ready;
+  // Members besides src and dst whose part a transfer is (aggregated all-to-alls: the senders whose
+  // bytes it carries): (transfer, member).
+  std::vector<std::pair<int, int>> carried_for;
 
   explicit Plan(int members) : ready(members) {}
-  int add(int src, int dst, double bytes) {
-    items.push_back({src, dst, bytes});
+  int add(int src, int dst, double bytes, double alpha_steps = 1, double weight = 1) {
+    items.push_back({src, dst, bytes, alpha_steps, weight});
     return static_cast<int>(items.size()) - 1;
   }
   void edge(int before, int after) { edges.emplace_back(before, after); }
@@ -38,10 +43,21 @@ struct Plan {
 };
 
 // One ring phase over the members `ring` (in ring order): `steps` steps, in each of which every member
-// sends `chunk` bytes to the next one.
-void ring_phase(Plan* plan, const std::vector<int>& ring, int steps, double chunk) {
+// sends `chunk` bytes to the next one. aggregate: one transfer per member of all steps (collectives.h).
+void ring_phase(Plan* plan, const std::vector<int>& ring, int steps, double chunk, bool aggregate = false) {
   const int p = static_cast<int>(ring.size());
   if (p < 2 || steps == 0) return;
+  if (aggregate) {
+    std::vector<int> sent(p);
+    for (int i = 0; i < p; ++i) {
+      const int from = ring[i], to = ring[(i + 1) % p];
+      sent[i] = plan->add(from, to, steps * chunk, steps);
+      plan->after_ready(from, sent[i]);
+      plan->after_ready(to, sent[i]);
+    }
+    for (int i = 0; i < p; ++i) plan->ready[ring[i]] = {sent[i], sent[(i + p - 1) % p]};
+    return;
+  }
   std::vector<int> prev(p), cur(p);
   for (int s = 0; s < steps; ++s) {
     for (int i = 0; i < p; ++i) {
@@ -87,6 +103,7 @@ const char* collective_kind_name(CollectiveKind k) {
     case CollectiveKind::alltoallv: return "alltoallv";
     case CollectiveKind::broadcast: return "broadcast";
     case CollectiveKind::reduce: return "reduce";
+    case CollectiveKind::rounds: return "rounds";
   }
   return "?";
 }
@@ -134,6 +151,22 @@ void Collectives::validate(const CollectiveSpec& spec) const {
   } else if (!spec.peer_bytes.empty()) {
     fail("peer_bytes is only for alltoallv");
   }
+  if (spec.kind == CollectiveKind::rounds) {
+    std::vector<int> sends(p), recvs(p);
+    for (size_t k = 0; k < spec.rounds.size(); ++k) {
+      std::fill(sends.begin(), sends.end(), 0);
+      std::fill(recvs.begin(), recvs.end(), 0);
+      for (const RoundTransfer& t : spec.rounds[k]) {
+        if (t.src < 0 || t.src >= p || t.dst < 0 || t.dst >= p || t.src == t.dst)
+          fail(str_cat("round ", k, ": transfer ", t.src, " -> ", t.dst, " must join two members in [0, ", p, ")"));
+        if (!std::isfinite(t.bytes) || t.bytes < 0) fail(str_cat("round ", k, ": bytes (", t.bytes, ") must be finite and >= 0"));
+        if (++sends[t.src] > 1 || ++recvs[t.dst] > 1)
+          fail(str_cat("round ", k, ": a member sends or receives twice"));
+      }
+    }
+  } else if (!spec.rounds.empty()) {
+    fail("rounds is only for the rounds kind");
+  }
   if ((spec.kind == CollectiveKind::broadcast || spec.kind == CollectiveKind::reduce) &&
       (spec.root < 0 || spec.root >= p)) {
     fail(str_cat("root (", spec.root, ") must be a member index in [0, ", p, ")"));
@@ -163,7 +196,7 @@ int Collectives::start(const CollectiveSpec& spec) {
     case CollectiveKind::allreduce:
       if (S == 0) break;
       if (!spec.hierarchical) {
-        ring_phase(&plan, members, 2 * (p - 1), S / p);
+        ring_phase(&plan, members, 2 * (p - 1), S / p, spec.aggregate);
         break;
       }
       {
@@ -177,20 +210,65 @@ int Collectives::start(const CollectiveSpec& spec) {
         }
         const int m = static_cast<int>(node_order.size());
         const int k = p / m;
-        for (int node : node_order) ring_phase(&plan, by_node[node], k - 1, S / k);  // reduce-scatter
+        const bool a = spec.aggregate;
+        for (int node : node_order) ring_phase(&plan, by_node[node], k - 1, S / k, a);  // reduce-scatter
         for (int j = 0; j < k; ++j) {
           std::vector<int> ring;
           for (int node : node_order) ring.push_back(by_node[node][j]);
-          ring_phase(&plan, ring, 2 * (m - 1), S / (static_cast<double>(k) * m));  // allreduce of a shard
+          ring_phase(&plan, ring, 2 * (m - 1), S / (static_cast<double>(k) * m), a);  // allreduce of a shard
         }
-        for (int node : node_order) ring_phase(&plan, by_node[node], k - 1, S / k);  // allgather
+        for (int node : node_order) ring_phase(&plan, by_node[node], k - 1, S / k, a);  // allgather
       }
       break;
     case CollectiveKind::allgather:
     case CollectiveKind::reduce_scatter:
-      if (S > 0) ring_phase(&plan, members, p - 1, S / p);
+      if (S > 0) ring_phase(&plan, members, p - 1, S / p, spec.aggregate);
       break;
     case CollectiveKind::alltoallv:
+      if (spec.aggregate) {
+        // Members by node (nodes in order of first appearance); a node's bytes to a member of another
+        // node leave from its member on the receiver's rail (collectives.h).
+        std::vector<int> node_slot(cluster_.n_nodes(), -1);
+        std::vector<std::vector<int>> by_node;
+        std::vector<int> slot_of(p);
+        for (int i = 0; i < p; ++i) {
+          const int node = cluster_.node_of(spec.devices[i]);
+          if (node_slot[node] < 0) {
+            node_slot[node] = static_cast<int>(by_node.size());
+            by_node.emplace_back();
+          }
+          slot_of[i] = node_slot[node];
+          by_node[slot_of[i]].push_back(i);
+        }
+        std::vector<double> from_node(by_node.size());
+        for (int j = 0; j < p; ++j) {
+          std::fill(from_node.begin(), from_node.end(), 0.0);
+          for (int i = 0; i < p; ++i) {
+            const double b = spec.peer_bytes[static_cast<size_t>(i) * p + j];
+            if (i == j || b <= 0) continue;
+            if (slot_of[i] == slot_of[j]) {
+              plan.add(i, j, b);
+            } else {
+              from_node[slot_of[i]] += b;
+            }
+          }
+          const int rail = cluster_.local_index(spec.devices[j]);
+          for (size_t n = 0; n < by_node.size(); ++n) {
+            if (from_node[n] <= 0) continue;
+            const std::vector<int>& there = by_node[n];
+            int src = there[rail % there.size()];
+            for (int m : there)
+              if (cluster_.local_index(spec.devices[m]) == rail) src = m;
+            // It stands for one flow per sender: that many shares where links are shared (network.h).
+            int senders = 0;
+            for (int i : there) senders += spec.peer_bytes[static_cast<size_t>(i) * p + j] > 0 ? 1 : 0;
+            const int x = plan.add(src, j, from_node[n], 1, senders);
+            for (int i : there)
+              if (i != src && spec.peer_bytes[static_cast<size_t>(i) * p + j] > 0) plan.carried_for.emplace_back(x, i);
+          }
+        }
+        break;
+      }
       for (int i = 0; i < p; ++i) {
         for (int j = 0; j < p; ++j) {
           const double b = spec.peer_bytes[static_cast<size_t>(i) * p + j];
@@ -198,6 +276,27 @@ int Collectives::start(const CollectiveSpec& spec) {
         }
       }
       break;
+    case CollectiveKind::rounds: {
+      // last[m]: member m's transfers of its latest active round (its blocking call there).
+      std::vector<std::vector<int>> last(p), now_of(p);
+      for (const std::vector<RoundTransfer>& round : spec.rounds) {
+        std::vector<int> touched;
+        for (const RoundTransfer& t : round) {
+          if (t.bytes <= 0) continue;
+          const int x = plan.add(t.src, t.dst, t.bytes);
+          for (int m : {t.src, t.dst}) {
+            for (int before : last[m]) plan.edge(before, x);
+            if (now_of[m].empty()) touched.push_back(m);
+            now_of[m].push_back(x);
+          }
+        }
+        for (int m : touched) {
+          last[m].swap(now_of[m]);
+          now_of[m].clear();
+        }
+      }
+      break;
+    }
     case CollectiveKind::broadcast:
     case CollectiveKind::reduce: {
       if (S == 0 || p < 2) break;
@@ -248,12 +347,32 @@ int Collectives::start(const CollectiveSpec& spec) {
     t.src = plan.items[x].src;
     t.dst = plan.items[x].dst;
     t.bytes = plan.items[x].bytes;
+    t.alpha_steps = plan.items[x].alpha_steps;
+    t.weight = plan.items[x].weight;
     t.succ_begin = offset[x];
     t.succ_end = offset[x + 1];
     ++r.member_left[t.src];
     ++r.member_left[t.dst];
+    t.carried_begin = t.carried_end = 0;
+  }
+  // Carried-for members in CSR form (plan.carried_for is grouped by transfer, in order).
+  r.carried.clear();
+  for (size_t k = 0; k < plan.carried_for.size();) {
+    const int x = plan.carried_for[k].first;
+    r.transfers[x].carried_begin = static_cast<int>(r.carried.size());
+    for (; k < plan.carried_for.size() && plan.carried_for[k].first == x; ++k) {
+      r.carried.push_back(plan.carried_for[k].second);
+      ++r.member_left[plan.carried_for[k].second];
+    }
+    r.transfers[x].carried_end = static_cast<int>(r.carried.size());
   }
   r.transfers_left = n;
+  r.end_together = spec.aggregate && n > 0 &&
+                   (spec.kind == CollectiveKind::allreduce || spec.kind == CollectiveKind::allgather ||
+                    spec.kind == CollectiveKind::reduce_scatter);
+  for (int m = 0; m < p; ++m) {
+    if (r.member_left[m] == 0) member_ends_.push_back({id, m, now()});
+  }
   if (n == 0) {
     finished_now_.push_back(id);
     return id;
@@ -267,7 +386,10 @@ int Collectives::start(const CollectiveSpec& spec) {
 void Collectives::launch(int collective, int transfer) {
   const Running& r = running_[collective];
   const Transfer& t = r.transfers[transfer];
-  const int flow = net_.start_flow(cluster_.route(r.devices[t.src], r.devices[t.dst]), t.bytes);
+  std::vector<int> path = cluster_.route(r.devices[t.src], r.devices[t.dst]);
+  const double alpha = t.alpha_steps * cluster_.path_latency(path);
+  const int flow = net_.start_flow(std::move(path), t.bytes, alpha, t.weight);
+  ++transfers_started_;
   if (flow >= static_cast<int>(flow_owner_.size())) flow_owner_.resize(flow + 1, {-1, -1});
   flow_owner_[flow] = {collective, transfer};
 }
@@ -294,9 +416,15 @@ std::vector<FinishedCollective> Collectives::advance(double t) {
     Running& r = running_[c];
     const Transfer& tr = r.transfers[x];
     --r.transfers_left;
-    for (int m : {tr.src, tr.dst}) {
-      if (--r.member_left[m] == 0) r.member_end[m] = t;
-    }
+    auto member_done = [&](int m) {
+      if (--r.member_left[m] == 0 && !r.end_together) {
+        r.member_end[m] = t;
+        member_ends_.push_back({c, m, t});
+      }
+    };
+    member_done(tr.src);
+    member_done(tr.dst);
+    for (int k = tr.carried_begin; k < tr.carried_end; ++k) member_done(r.carried[k]);
     for (int s = tr.succ_begin; s < tr.succ_end; ++s) {
       const int next = r.successors[s];
       if (--r.transfers[next].deps_left == 0) launch(c, next);
@@ -310,12 +438,28 @@ std::vector<FinishedCollective> Collectives::advance(double t) {
   return finished;
 }
 
+std::vector<MemberEnded> Collectives::take_member_ends() {
+  std::vector<MemberEnded> out;
+  out.swap(member_ends_);
+  std::sort(out.begin(), out.end(), [](const MemberEnded& a, const MemberEnded& b) {
+    if (a.time != b.time) return a.time < b.time;
+    return a.collective != b.collective ? a.collective < b.collective : a.member < b.member;
+  });
+  return out;
+}
+
 FinishedCollective Collectives::finish(int collective) {
   Running& r = running_[collective];
   FinishedCollective f;
   f.id = collective;
   f.start = r.start;
   f.end = now();
+  if (r.end_together) {
+    for (int m = 0; m < static_cast<int>(r.member_end.size()); ++m) {
+      r.member_end[m] = f.end;
+      member_ends_.push_back({collective, m, f.end});
+    }
+  }
   f.member_end = std::move(r.member_end);
   r = Running{};
   free_ids_.push_back(collective);

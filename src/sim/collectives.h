@@ -20,6 +20,12 @@
 //     (pipeline_chunks()) and each hop forwards chunk c after receiving it and after sending chunk c-1.
 //     The broadcast and reduce groups of the sparse collectives (Hecate's SparseAllGather and
 //     SparseReduceScatter, Pro-Prophet's Trans and Agg) are several of these in flight at once.
+//   * rounds: the point-to-point rounds of a comm::SparsePlan (comm/sparse_collectives.h), as the
+//     runtime runs Hecate's sparse collectives: in each round a member makes one blocking call (send,
+//     recv, or sendrecv when it does both) and moves on to its next round only when that call ended,
+//     so a transfer starts when the transfers of both its ends' previous active rounds have ended. A
+//     member skips rounds without transfers of its own (no barrier). Every transfer pays its path's
+//     alpha, i.e. alpha once per round on a member's chain. Zero-byte transfers are skipped.
 // Step dependencies are per member, as the data flows: in a ring a member's send of step s starts when
 // its own send of step s-1 and its predecessor's send of step s-1 (the data it forwards) have ended;
 // a phase's first transfers wait for both ends to have finished the previous phase.
@@ -28,6 +34,30 @@
 //   int c = colls.start(spec);                      // at colls.now()
 //   double t = std::min(colls.next_event_time(), t_compute);
 //   for (const FinishedCollective& f : colls.advance(t)) ...
+//
+// Aggregated flows (CollectiveSpec::aggregate), for clusters of thousands of devices, where one flow
+// per ring step and per device pair is too many to simulate in seconds (20k flows took 22 s):
+//   * a ring phase of s steps becomes one transfer per member of s * chunk bytes to its successor that
+//     pays s alphas before transferring (a fluid ring: the steps' pipelining is assumed perfect). On a
+//     ring of identical uncontended links this is the closed form exactly: 2(p-1) * alpha + 2(p-1)/p *
+//     S/B for allreduce; under contention each member's traffic still crosses the same links, only
+//     the per-step synchronisation (a slow step holding up the next) is lost. Every member ends
+//     when the collective's last transfer does: in a real ring a member's last step forwards data
+//     that went round every other member, so no member finishes before the slowest link has.
+//   * alltoallv: pairs on the same node stay one flow each; the bytes all members of one node send to
+//     a member j of another node become one flow, from the sending node's member on j's "rail" (the
+//     same local index; else local index modulo the node's member count) to j. This is how NCCL's PXN
+//     (NCCL 2.12, "PCI x NVLink") sends across nodes: over NVLink to the GPU on the destination's rail,
+//     then through that GPU's NIC. The receiver's path carries exactly its bytes, so hot receivers
+//     (popular experts) are exact; on the sending node the bytes are spread over the rails by
+//     destination, exact in total per NIC when every member sends alike (as every rank routes N*K
+//     rows) and approximate otherwise; the NVLink hop to the rail GPU is not modeled. A member's
+//     part ends when the flows carrying its bytes have ended, as its blocking call would. An
+//     aggregated flow has the weight of the senders it stands for (weighted max-min, network.h), so a
+//     competing collective gets the share it would get against the separate flows.
+//   * broadcast and reduce chains are not changed.
+// Flows: O(p) per ring collective instead of O(p^2), and O(p * (nodes + devices per node)) per
+// alltoallv instead of O(p^2).
 //
 // Determinism: the same calls give the same results bit for bit. Thread safety: none. The Cluster must
 // outlive the Collectives.
@@ -42,8 +72,14 @@
 
 namespace moe::sim {
 
-enum class CollectiveKind : uint8_t { allreduce, allgather, reduce_scatter, alltoallv, broadcast, reduce };
+enum class CollectiveKind : uint8_t { allreduce, allgather, reduce_scatter, alltoallv, broadcast, reduce, rounds };
 const char* collective_kind_name(CollectiveKind k);  // "allreduce", ...
+
+// One point-to-point transfer of a `rounds` collective: member src sends `bytes` to member dst.
+struct RoundTransfer {
+  int src = 0, dst = 0;
+  double bytes = 0;
+};
 
 struct CollectiveSpec {
   CollectiveKind kind = CollectiveKind::allreduce;
@@ -54,8 +90,19 @@ struct CollectiveSpec {
   double bytes = 0;
   // alltoallv: p * p entries, row-major: [i * p + j] = bytes member i sends to member j.
   std::vector<double> peer_bytes;
+  // rounds: rounds[k] = round k's transfers; in one round a member sends at most once and receives at
+  // most once (comm::SparsePlan's rule). Empty for the other kinds.
+  std::vector<std::vector<RoundTransfer>> rounds;
   int root = 0;               // broadcast, reduce: the root's member index
   bool hierarchical = false;  // allreduce only: the hierarchical algorithm
+  bool aggregate = false;     // aggregated flows (see above)
+};
+
+// A member whose part of a collective ended (its last transfer sent or received), at `time`.
+struct MemberEnded {
+  int collective = -1;
+  int member = -1;
+  double time = 0;
 };
 
 struct FinishedCollective {
@@ -73,7 +120,9 @@ class Collectives {
   // Starts a collective at now() and returns its id (reused after it has been reported finished).
   // A collective without transfers (one member, zero bytes) finishes at now(), reported by the next
   // advance(). REQUIRES (std::logic_error): distinct devices in range, at least one; bytes finite and
-  // >= 0; peer_bytes of p * p finite entries >= 0 for alltoallv and empty otherwise; root a member
+  // >= 0; peer_bytes of p * p finite entries >= 0 for alltoallv and empty otherwise; rounds only for
+  // `rounds`, members in range, src != dst, bytes finite >= 0, at most one send and one receive per
+  // member and round; root a member
   // index for broadcast and reduce; hierarchical only for allreduce, with equal members per node.
   int start(const CollectiveSpec& spec);
   // The next time a transfer starts or ends, or a collective finishes; +inf when idle.
@@ -82,7 +131,12 @@ class Collectives {
   // REQUIRES: now() <= t <= next_event_time() (std::logic_error).
   std::vector<FinishedCollective> advance(double t);
 
+  // The members whose part ended since the last call, by (time, collective id, member index): members without transfers right after start(), the others at the
+  // advance() that ended their last transfer. An executor ends a blocking call on that member then.
+  std::vector<MemberEnded> take_member_ends();
+
   int in_flight() const { return in_flight_; }
+  int64_t transfers_started() const { return transfers_started_; }  // flows started so far
   const Network& network() const { return net_; }
   const Cluster& cluster() const { return cluster_; }
 
@@ -90,17 +144,22 @@ class Collectives {
   struct Transfer {
     int src = -1, dst = -1;  // member indices
     double bytes = 0;
+    double alpha_steps = 1;  // the path's alpha is paid this many times (aggregated ring phases)
+    double weight = 1;       // max-min shares (aggregated all-to-all flows: one per sender)
     int deps_left = 0;
     int succ_begin = 0, succ_end = 0;  // its successors: successors[succ_begin, succ_end)
+    int carried_begin = 0, carried_end = 0;  // members whose bytes it carries: carried[begin, end)
   };
   struct Running {
     double start = 0;
     std::vector<int> devices;
     std::vector<Transfer> transfers;
     std::vector<int> successors;
+    std::vector<int> carried;
     int transfers_left = 0;
     std::vector<int> member_left;  // transfers touching each member that have not ended
     std::vector<double> member_end;
+    bool end_together = false;     // every member ends when the last transfer does (aggregated rings)
   };
 
   void validate(const CollectiveSpec& spec) const;
@@ -114,6 +173,8 @@ class Collectives {
   int in_flight_ = 0;
   std::vector<std::pair<int, int>> flow_owner_;  // by flow id: (collective, transfer)
   std::vector<int> finished_now_;                // collectives without transfers, finished at now()
+  std::vector<MemberEnded> member_ends_;         // since the last take_member_ends()
+  int64_t transfers_started_ = 0;
 };
 
 // The number of chunks a pipelined chain of `hops` hops cuts `bytes` into: the C in [1, 256] that

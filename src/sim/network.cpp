@@ -57,6 +57,7 @@ Network::Network(std::vector<double> bandwidth, std::vector<double> latency) {
   link_mark_.assign(links_.size(), 0);
   cap_left_.assign(links_.size(), 0);
   unfixed_.assign(links_.size(), 0);
+  unfixed_weight_.assign(links_.size(), 0.0);
 }
 
 int Network::start_flow(std::vector<int> path, double bytes) {
@@ -69,6 +70,12 @@ int Network::start_flow(std::vector<int> path, double bytes) {
 }
 
 int Network::start_flow(std::vector<int> path, double bytes, double alpha) {
+  return start_flow(std::move(path), bytes, alpha, 1.0);
+}
+
+int Network::start_flow(std::vector<int> path, double bytes, double alpha, double weight) {
+  if (!std::isfinite(weight) || !(weight > 0))
+    throw std::logic_error(str_cat("sim::Network::start_flow: weight (", weight, ") must be finite and > 0"));
   if (!std::isfinite(bytes) || bytes < 0 || !std::isfinite(alpha) || alpha < 0) {
     throw std::logic_error(
         str_cat("sim::Network::start_flow: bytes (", bytes, ") and alpha (", alpha, ") must be finite and >= 0"));
@@ -97,6 +104,7 @@ int Network::start_flow(std::vector<int> path, double bytes, double alpha) {
   f.bytes_left = bytes;
   f.updated = now_;
   f.rate = 0;
+  f.weight = weight;
   f.transferring = false;
   f.live = true;
   ++live_count_;
@@ -150,7 +158,7 @@ std::vector<int> Network::advance(double t) {
         list.pop_back();
       }
       mark_dirty(f);
-      min_ended_rate_ = std::min(min_ended_rate_, f.rate);
+      min_ended_level_ = std::min(min_ended_level_, f.rate / f.weight);
       ended.push_back(id);
     } else if (f.bytes_left == 0 || f.path.empty()) {
       ended.push_back(id);
@@ -208,9 +216,10 @@ void Network::settle() {
   // flow slower than the slowest that ended: in water-filling, removing a flow of rate r changes
   // nothing below level r (the links it crossed only gain share, the others are untouched until then).
   // A flow that starts transferring can change flows of any rate, so then nothing is frozen.
-  const double floor = started_since_settle_ ? 0.0 : min_ended_rate_;
+  // (With weights, "rate" reads "level", rate / weight: water-filling raises levels evenly.)
+  const double floor = started_since_settle_ ? 0.0 : min_ended_level_;
   started_since_settle_ = false;
-  min_ended_rate_ = kInf;
+  min_ended_level_ = kInf;
 
   // The region: every link reachable from a dirty link through flows not frozen, and those flows.
   // Regions that no dirty link reaches face the same capacities as before and keep their rates.
@@ -226,7 +235,7 @@ void Network::settle() {
   dirty_links_.clear();
   for (size_t i = 0; i < region_links_.size(); ++i) {
     for (const auto& [f, hop] : links_[region_links_[i]].flows) {
-      if (flow_mark_[f] == epoch_ || flows_[f].rate < floor) continue;
+      if (flow_mark_[f] == epoch_ || flows_[f].rate / flows_[f].weight < floor) continue;
       flow_mark_[f] = epoch_;
       region_flows_.push_back(f);
       for (const Hop& h : flows_[f].path) {
@@ -250,14 +259,16 @@ void Network::settle() {
   for (int l : region_links_) {
     cap_left_[l] = links_[l].bandwidth;
     unfixed_[l] = 0;
+    unfixed_weight_[l] = 0;
     for (const auto& [f, hop] : links_[l].flows) {
       if (flow_mark_[f] == epoch_) {
         ++unfixed_[l];
+        unfixed_weight_[l] += flows_[f].weight;
       } else {
         cap_left_[l] -= flows_[f].rate;
       }
     }
-    if (unfixed_[l] > 0) heap.push_back({std::max(0.0, cap_left_[l] / unfixed_[l]), l});
+    if (unfixed_[l] > 0) heap.push_back({std::max(0.0, cap_left_[l] / unfixed_weight_[l]), l});
   }
   std::make_heap(heap.begin(), heap.end(), ShareAfter());
   while (!heap.empty()) {
@@ -266,7 +277,7 @@ void Network::settle() {
     const double key = heap.back().share;
     heap.pop_back();
     if (unfixed_[l] == 0) continue;
-    const double share = std::max(0.0, cap_left_[l] / unfixed_[l]);
+    const double share = std::max(0.0, cap_left_[l] / unfixed_weight_[l]);
     if (share != key) {
       heap.push_back({share, l});
       std::push_heap(heap.begin(), heap.end(), ShareAfter());
@@ -275,10 +286,12 @@ void Network::settle() {
     for (const auto& [f, hop] : links_[l].flows) {
       if (flow_mark_[f] != epoch_ || flow_fixed_[f] == epoch_) continue;
       flow_fixed_[f] = epoch_;
-      new_rate_[f] = share;
+      const double w = flows_[f].weight;
+      new_rate_[f] = w * share;
       for (const Hop& h : flows_[f].path) {
-        cap_left_[h.link] -= share;
+        cap_left_[h.link] -= w * share;
         --unfixed_[h.link];
+        unfixed_weight_[h.link] -= w;
       }
     }
   }

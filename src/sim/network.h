@@ -48,6 +48,11 @@ class Network {
   // and alpha finite and >= 0 (std::logic_error).
   int start_flow(std::vector<int> path, double bytes);
   int start_flow(std::vector<int> path, double bytes, double alpha);
+  // Weighted: the flow stands for `weight` equal flows (an aggregate of several transfers,
+  // collectives.h), so on a shared link it gets `weight` shares of the max-min fair share (weighted
+  // max-min fairness: rates are weight times a level that water-filling raises evenly). REQUIRES:
+  // weight finite and > 0 (std::logic_error).
+  int start_flow(std::vector<int> path, double bytes, double alpha, double weight);
 
   // The time of the next event (a flow starting to transfer or ending); +inf when no flow is live.
   double next_event_time();
@@ -79,6 +84,7 @@ class Network {
     double bytes_left = 0;  // at `updated`
     double updated = 0;
     double rate = 0;
+    double weight = 1;      // shares of a link's fair share (see start_flow)
     double event_time = 0;  // start of transfer while waiting, end while transferring
     bool transferring = false;
     bool live = false;
@@ -131,12 +137,13 @@ class Network {
   uint64_t epoch_ = 0;
   std::vector<uint64_t> link_mark_, flow_mark_, flow_fixed_;
   std::vector<double> cap_left_;
-  std::vector<int> unfixed_;
+  std::vector<int> unfixed_;           // flows not fixed yet, per link
+  std::vector<double> unfixed_weight_;  // and their weights
   std::vector<double> new_rate_;
   std::vector<int> region_links_, region_flows_;
-  // Since the last settle(): whether a flow started transferring, the smallest rate of those that ended.
+  // Since the last settle(): whether a flow started transferring, the smallest level of those that ended.
   bool started_since_settle_ = false;
-  double min_ended_rate_ = std::numeric_limits<double>::infinity();
+  double min_ended_level_ = std::numeric_limits<double>::infinity();  // rate / weight
 };
 
 }  // namespace moe::sim

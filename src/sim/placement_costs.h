@@ -1,0 +1,90 @@
+// The placement strategies in the simulator (Hecate, FasterMoE: runtime/strategy.h): per step the
+// placements from the very planners the runtime calls, and the run-time sizes of their graphs
+// (build_ep_step with the placement options, one ep group of every rank) exactly as MoeLayer
+// (moe/moe_layer_placed.cpp) and EpStepBodies (runtime/ep_step_bodies.cpp) record them.
+//
+// What the runtime does per MoE layer l and step, and what the simulator does in its place:
+//   before the step  hecate: planned = plan::sparse_materialize(owners, predictor.predict(l), t, m,
+//                    nodes), the predictor (plan::LoadPredictor, window w) fed every step's global
+//                    loads; t: the option, or (as the trainer) 0 on the first step and then
+//                    plan::overlap_degree(attn_fwd time, bandwidth, expert bytes) with the attn_fwd
+//                    time the compute model gives that op; m: the option, or E / R.
+//   after the gate   hecate: plan::calibrate(planned, counts, t, m, nodes, {expert s/token, bandwidth,
+//                    expert bytes}); its placement when it says gather. fastermoe:
+//                    plan::fastermoe_plan(owners, counts, {C, F/C, 4 bytes, bandwidth, GEMM rate}).
+//                    counts[r][e] = the step's load (the kept assignments, what routed_counts gives).
+//   sizes            dispatch / combine all-to-alls from rows = plan::dispatch_plan(placed, nodes,
+//                    counts) (float32 rows of C), expert FLOPs from the rows a rank receives, the sparse
+//                    ops' peer bytes from their comm::SparsePlan over W*E chunks of F*C floats.
+// Cost-model inputs the runtime takes from flags (--link-gbs, --gemm-gflops) come from the modeled
+// cluster here: bandwidth = placement_bandwidth() unless PlacementOptions::link_gbs says otherwise; the
+// GEMM rate = the device's rate on the balanced expert_fwd op (compute.h's efficiency curve).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/sparse_collectives.h"
+#include "graph/ep_builder.h"
+#include "model/config.h"
+#include "plan/placement.h"
+#include "sim/cluster.h"
+#include "sim/executor.h"
+#include "sim/load.h"
+#include "sim/simulate.h"
+
+namespace moe::sim {
+
+// One MoE layer's placements during one step and what follows from them.
+struct LayerStepPlacement {
+  plan::LayerPlacement owners;   // the shards: even_placement(E, R)
+  plan::LayerPlacement planned;  // gathered before the gate (Hecate's Alg. 1); owners without one
+  plan::LayerPlacement placed;   // after place(l): the placement tokens are dispatched over
+  std::vector<std::vector<std::vector<int64_t>>> rows;  // plan::dispatch_plan(placed, nodes, counts) [R][E][R]
+  // The sparse collectives over W*E chunks (W = 2 weight matrices, 3 for SwiGLU; chunk w*E + e is
+  // matrix w of expert e, held like expert e), as MoeLayer plans them:
+  comm::SparsePlan gather;         // materialize:         SparseAllGather(owners, planned)
+  comm::SparsePlan gather_placed;  // materialize_placed:  SparseAllGather(held, placed), held = planned
+                                   //                      after a gather before the gate, else owners
+  comm::SparsePlan regather;       // rematerialize:       SparseAllGather(owners, placed)
+  comm::SparsePlan reduce;         // replica_grad_reduce: SparseReduceScatter(placed, owners)
+  int64_t chunk_bytes = 0;         // 4 * F * C
+};
+
+// The above from the two placements. counts [R][E]. REQUIRES: planned and placed valid over the
+// owners even_placement(E, R) with R = opt.world, placed's replicas ⊇ planned's, nodes of R ranks,
+// counts [R][E] non-negative (std::logic_error from the planners otherwise).
+LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpStepOptions& opt,
+                                        plan::LayerPlacement planned, plan::LayerPlacement placed,
+                                        const plan::Nodes& nodes, const std::vector<std::vector<int64_t>>& counts);
+
+// Writes into `g` (a graph of build_ep_step(cfg, opt) for rank `rank`, opt with placement options and
+// ep_size == world) the sizes the runtime records, from layers[i] for MoE layer i:
+//   dispatch_a2a, combine_a2a_bwd: peer_bytes[d] = 4 C sum_e rows[rank][e][d] (self included), bytes their sum;
+//   combine_a2a, dispatch_a2a_bwd: peer_bytes[s] = 4 C sum_e rows[s][e][rank];
+//   expert_fwd / expert_bwd: flops = passes * 2 * mats * (rows received) * C * F, bytes the builder's
+//     balanced estimate scaled by rows / (N K) (as fill_ep_costs);
+//   gate_sync: 8 K E bytes (as fill_ep_costs);
+//   materialize, materialize_placed, rematerialize, replica_grad_reduce: peer_bytes = row `rank` of
+//     comm::peer_bytes(plan, chunk_bytes), bytes their sum (MoeLayer::sparse_peer_bytes, EpStepBodies).
+// REQUIRES: one entry of layers per MoE layer, each over opt.world ranks (std::logic_error).
+void fill_placement_costs(const ModelConfig& cfg, const graph::EpStepOptions& opt,
+                          const std::vector<LayerStepPlacement>& layers, int rank, graph::StepGraph* g);
+
+// The executor's schedules for g's sparse ops (one entry per op id; none for other ops).
+std::vector<SparseSchedule> sparse_schedules(const graph::StepGraph& g, const ModelConfig& cfg,
+                                             const std::vector<LayerStepPlacement>& layers);
+
+// Bytes/s a rank receives expert weights at on `cluster`, for the planners' cost models (Hecate's t,
+// calibration, FasterMoE): with several nodes the per-device share of a node's NIC line rate (every
+// rank gathers at once, through the node's NICs: the inter-node bandwidth the paper prescribes for t);
+// on one node the slowest route from device 0 to another device.
+double placement_bandwidth(const Cluster& cluster);
+
+// The strategies "hecate" and "fastermoe" (sim_strategies() registers them). Errors: ep_size !=
+// ranks, n_experts not a multiple of the ranks, missing node map (named).
+Status make_placement_strategy(const std::string& name, const StrategySetup& setup, std::unique_ptr<SimStrategy>* out);
+
+}  // namespace moe::sim

@@ -1,0 +1,233 @@
+// A simulated run: strategy registry, validation, the step loop and its summaries (simulate.h).
+#include "sim/simulate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include "sim/placement_costs.h"
+#include "util/str_cat.h"
+
+namespace moe::sim {
+
+namespace {
+
+// Expert parallelism: one graph shape (build_ep_step), sizes from the load per rank.
+class EpStrategy : public SimStrategy {
+ public:
+  explicit EpStrategy(const StrategySetup& s) : setup_(s) {
+    opt_.world = s.ranks;
+    opt_.ep_size = s.ep_size;
+    opt_.batch = s.batch_per_rank;
+    opt_.allreduce_micro_bytes = s.allreduce_micro_bytes;
+    step_ = graph::build_ep_step(s.model, opt_);
+  }
+  void step_graphs(const StepLoad& load, std::vector<graph::StepGraph>* out) override {
+    out->assign(setup_.ranks, step_.graph);
+    for (int r = 0; r < setup_.ranks; ++r) fill_ep_costs(setup_.model, opt_, load, r, &(*out)[r]);
+  }
+
+ private:
+  StrategySetup setup_;
+  graph::EpStepOptions opt_;
+  graph::EpStep step_;
+};
+
+}  // namespace
+
+double moe_layer_ms(const graph::StepGraph& g, const runtime::StepTimeline& tl) {
+  // As the trainer's moe_ms_per_rank (runtime/trainer.cpp): first start to last end of each MoE
+  // block's forward and backward compute-stream ops.
+  std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> span;  // (layer, bwd) -> (first, last)
+  for (const graph::Op& op : g.ops) {
+    if (op.layer < 0 || op.stream != graph::kComputeStream) continue;
+    const runtime::OpSpan& sp = tl.spans.at(op.id);
+    if (sp.end_ns < 0) continue;
+    const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
+                     op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
+                     op.kind == graph::OpKind::combine_fwd;
+    const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
+                     op.kind == graph::OpKind::gate_bwd;
+    if (!fwd && !bwd) continue;
+    auto [it, fresh] = span.try_emplace({op.layer, bwd ? 1 : 0}, sp.start_ns, sp.end_ns);
+    if (!fresh) {
+      it->second.first = std::min(it->second.first, sp.start_ns);
+      it->second.second = std::max(it->second.second, sp.end_ns);
+    }
+  }
+  double ms = 0;
+  for (const auto& [key, fl] : span) ms += 1e-6 * static_cast<double>(fl.second - fl.first);
+  return ms;
+}
+
+const std::map<std::string, StrategyInfo>& sim_strategies() {
+  static const std::map<std::string, StrategyInfo> registry = {
+      {"ep",
+       {"expert parallelism (graph/ep_builder.h): experts split over ep groups, all-to-all dispatch/combine, "
+        "gradient allreduce under the backward",
+        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
+          *out = std::make_unique<EpStrategy>(s);
+          return Status::ok();
+        }}},
+      {"hecate",
+       {"Hecate FSSDP (runtime/strategy.h): experts sharded as EP; before each step Alg. 1 replicates the "
+        "predicted hot experts by SparseAllGather behind attention, calibration after the gate, replica "
+        "gradients by SparseReduceScatter; --rematerialize frees replicas after forward",
+        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
+          return make_placement_strategy("hecate", s, out);
+        }}},
+      {"fastermoe",
+       {"FasterMoE dynamic shadowing: after each gate its cost model broadcasts the hottest experts to every "
+        "rank (plan::fastermoe_plan), on the critical path",
+        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
+          return make_placement_strategy("fastermoe", s, out);
+        }}},
+  };
+  return registry;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) throw std::logic_error("sim::percentile: no values");
+  std::sort(v.begin(), v.end());
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1;
+  return v[i];
+}
+
+Status resolve(SimRunConfig* cfg) {
+  if (Status s = cfg->cluster.validate(); !s) return s;
+  if (Status s = cfg->model.validate(); !s) return s;
+  if (!sim_strategies().count(cfg->strategy)) {
+    std::string known;
+    for (const auto& [name, info] : sim_strategies()) known += (known.empty() ? "" : ", ") + name;
+    return Status::error(str_cat("strategy \"", cfg->strategy, "\" is not known (known: ", known, ")"));
+  }
+  const int devices = cfg->cluster.nodes * cfg->cluster.node.devices;
+  if (cfg->ranks == 0) cfg->ranks = devices;
+  if (cfg->ranks < 1 || cfg->ranks > devices)
+    return Status::error(str_cat("ranks (", cfg->ranks, ") must be in [1, ", devices, "], the cluster's devices"));
+  // The placement strategies place experts over one group of every rank (runtime::Strategy::ep_size).
+  if (cfg->ep_size == 0 && cfg->strategy != "ep") cfg->ep_size = cfg->ranks;
+  if (cfg->ep_size == 0) {
+    for (int g = 1; g <= cfg->ranks; ++g)
+      if (cfg->ranks % g == 0 && cfg->model.n_experts % g == 0) cfg->ep_size = g;
+  }
+  if (cfg->ep_size < 1 || cfg->ranks % cfg->ep_size != 0 || cfg->model.n_experts % cfg->ep_size != 0)
+    return Status::error(str_cat("ep-size (", cfg->ep_size, ") must divide the ranks (", cfg->ranks,
+                                 ") and the experts (", cfg->model.n_experts, ")"));
+  if (cfg->steps < 1) return Status::error(str_cat("steps (", cfg->steps, ") must be >= 1"));
+  if (cfg->batch < 1 || cfg->batch % cfg->ranks != 0)
+    return Status::error(str_cat("batch (", cfg->batch, ") must be a positive multiple of the ranks (", cfg->ranks, ")"));
+  if (cfg->allreduce_micro_bytes < 0) return Status::error("allreduce micro-op size must be >= 0");
+  return Status::ok();
+}
+
+Status simulate(SimRunConfig cfg, SimRunResult* out) {
+  const auto wall0 = std::chrono::steady_clock::now();
+  if (Status s = resolve(&cfg); !s) return s;
+  const int R = cfg.ranks;
+  const int64_t per_rank = cfg.batch / R;
+  Load load;
+  if (Status s = Load::make(cfg.load, cfg.model, R, per_rank * cfg.model.seq_len, &load); !s) return s;
+  const Cluster cluster(cfg.cluster);
+  StrategySetup setup;
+  setup.model = cfg.model;
+  setup.ranks = R;
+  setup.ep_size = cfg.ep_size;
+  setup.batch_per_rank = per_rank;
+  setup.allreduce_micro_bytes = cfg.allreduce_micro_bytes;
+  setup.placement = cfg.placement;
+  for (int r = 0; r < R; ++r) setup.node_of_rank.push_back(cluster.node_of(r));  // rank r on device r
+  setup.device = cluster.device();
+  setup.bandwidth = placement_bandwidth(cluster);
+  std::unique_ptr<SimStrategy> strategy;
+  try {
+    if (Status s = sim_strategies().at(cfg.strategy).make(setup, &strategy); !s) return s;
+  } catch (const std::invalid_argument& e) {
+    return Status::error(e.what());
+  }
+  ExecutorConfig ec;
+  ec.ranks = R;
+  ec.ep_size = cfg.ep_size;
+  ec.hierarchical_allreduce = cfg.hierarchical_allreduce;
+  ec.aggregate_flows = cfg.aggregate == SimRunConfig::Aggregate::on ||
+                       (cfg.aggregate == SimRunConfig::Aggregate::automatic && R > 64);
+  StepExecutor executor(cluster, ec);
+
+  SimRunResult res;
+  res.ranks = R;
+  res.ep_size = cfg.ep_size;
+  res.aggregated = ec.aggregate_flows;
+  res.link_bytes.assign(cluster.n_links(), 0.0);
+  const int64_t E = cfg.model.n_experts, G = cfg.ep_size, El = E / G;
+  std::vector<graph::StepGraph> graphs;
+  for (int s = 0; s < cfg.steps; ++s) {
+    const StepLoad l = load.step(s);
+    strategy->step_graphs(l, &graphs);
+    StepResult step;
+    if (Status st = executor.run_step(graphs, &step, strategy->sparse_schedules()); !st)
+      return Status::error(str_cat("step ", s + 1, ": ", st.message()));
+    SimStepSummary sum;
+    sum.step_ms = step.seconds() * 1e3;
+    for (int r = 0; r < R; ++r) {
+      const runtime::StepBreakdown b = runtime::breakdown(graphs[r], step.timelines[r]);
+      sum.mean.wall_ms += b.wall_ms / R;
+      sum.mean.compute_ms += b.compute_ms / R;
+      sum.mean.exposed_comm_ms += b.exposed_comm_ms / R;
+      sum.mean.comm_ms += b.comm_ms / R;
+      sum.mean.allreduce_ms += b.allreduce_ms / R;
+      sum.mean.allreduce_hidden_ms += b.allreduce_hidden_ms / R;
+    }
+    for (const auto& [cat, sec] : step.critical_path_s) sum.critical_path_ms.emplace_back(cat, sec * 1e3);
+    // Rows each rank's experts ran: from its expert_fwd FLOPs (2 * mats * rows * C * F, exact in a
+    // double), whatever the placement; EP's formula where the layer has no expert_fwd (one rank).
+    const double row_flops = 2.0 * (cfg.model.activation == "swiglu" ? 3 : 2) * static_cast<double>(cfg.model.d_model) *
+                             static_cast<double>(cfg.model.d_ffn);
+    std::vector<int> moe_block;
+    for (int64_t b = 0; b < cfg.model.n_layers; ++b)
+      if (cfg.model.is_moe_layer(b)) moe_block.push_back(static_cast<int>(b));
+    int expert_fwd_op = -1;
+    for (size_t i = 0; i < l.size(); ++i) {
+      const std::vector<int64_t>& t = l[i];
+      std::vector<int64_t> per_expert(E, 0), per_rank_rows(R, 0);
+      for (int r = 0; r < R; ++r)
+        for (int64_t e = 0; e < E; ++e) {
+          per_expert[e] += t[r * E + e];
+          // The replica of expert e in r's ep group runs on that group's rank e / El.
+          per_rank_rows[r / G * G + e / El] += t[r * E + e];
+        }
+      expert_fwd_op = -1;
+      for (const graph::Op& op : graphs[0].ops)
+        if (op.kind == graph::OpKind::expert_fwd && op.layer == moe_block[i]) expert_fwd_op = op.id;
+      if (expert_fwd_op >= 0)
+        for (int r = 0; r < R; ++r)
+          per_rank_rows[r] = std::llround(graphs[r].ops[expert_fwd_op].cost.flops / row_flops);
+      sum.tokens_per_expert.push_back(std::move(per_expert));
+      sum.tokens_per_rank.push_back(std::move(per_rank_rows));
+    }
+    for (int r = 0; r < R; ++r) {
+      sum.moe_ms_per_rank.push_back(moe_layer_ms(graphs[r], step.timelines[r]));
+      sum.moe_ms += sum.moe_ms_per_rank.back() / R;
+      sum.moe_ms_max = std::max(sum.moe_ms_max, sum.moe_ms_per_rank.back());
+      for (const graph::Op& op : graphs[r].ops)
+        if (op.collective == graph::Collective::sparse_allgather ||
+            op.collective == graph::Collective::sparse_reduce_scatter)
+          sum.sparse_bytes += 2 * op.cost.bytes;  // what r sends is what its peers receive
+    }
+    sum.placement = strategy->placement_stats();
+    sum.flows = step.flows;
+    sum.rates_computed = step.rates_computed;
+    for (size_t k = 0; k < res.link_bytes.size(); ++k) res.link_bytes[k] += step.link_bytes[k];
+    res.simulated_s += step.seconds();
+    if (cfg.keep_trace)
+      for (int r = 0; r < R; ++r) runtime::append_records(&res.trace, graphs[r], step.timelines[r], r, s + 1, 0);
+    res.steps.push_back(std::move(sum));
+  }
+  if (!graphs.empty()) res.graph = std::move(graphs[0]);
+  res.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  *out = std::move(res);
+  return Status::ok();
+}
+
+}  // namespace moe::sim

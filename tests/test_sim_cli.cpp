@@ -1,0 +1,134 @@
+// `moe sim` end to end (src/cli/sim_command.cpp): the report, metrics and trace files, bad input, and
+// --calibrate on a real 2-rank run whose cluster file `moe sim --cluster FILE` then loads.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "sim/calibrate.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result run(const std::string& cmd) {
+  const std::string full = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                           "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 " +
+                           cmd + " 2>&1";
+  FILE* p = popen(full.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128, out};
+}
+
+class SimCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("moe_sim_cli_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(SimCli, ReportsMetricsAndTrace) {
+  const fs::path metrics = dir_ / "m.jsonl", trace = dir_ / "t.json";
+  const Result r = run(std::string(MOE_BIN) + " sim --cluster p4d.24xlarge --nodes 2 --load zipf-drift:1.2,1 --steps 4 " +
+                       "--metrics " + metrics.string() + " --trace " + trace.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* line : {"cluster   p4d.24xlarge: 2 node(s) x 8 A100-SXM4-40GB", "strategy  ep: 16 ranks, ep groups of 8",
+                           "step time (ms)", "critical path", "all-to-all", "most utilised links", "nic"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  std::ifstream in(metrics);
+  int lines = 0;
+  for (std::string line; std::getline(in, line); ++lines) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_GT(j.at("step_ms").get<double>(), 0);
+    EXPECT_NEAR(j.at("compute_ms").get<double>() + j.at("exposed_comm_ms").get<double>(), j.at("step_ms").get<double>(),
+                j.at("step_ms").get<double>());  // the mean rank's wall is at most the step
+    EXPECT_EQ(j.at("tokens_per_expert").size(), 4u);  // MoE layers of the default model
+  }
+  EXPECT_EQ(lines, 4);
+  std::ifstream t(trace);
+  const nlohmann::json tj = nlohmann::json::parse(t);
+  int events = 0;
+  for (const auto& e : tj.at("traceEvents")) events += e.at("ph") == "X";
+  EXPECT_GT(events, 16 * 4 * 20);
+}
+
+TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {
+  const std::string moe = MOE_BIN;
+  struct Case {
+    std::string args, message;
+  };
+  const std::vector<Case> cases = {
+      {"sim", "--cluster PRESET|FILE is required"},
+      {"sim --cluster nowhere", "unknown preset"},
+      {"sim --cluster /nonexistent.json", "cannot be opened"},
+      {"sim --cluster p4d.24xlarge --batch 12", "batch (12) must be a positive multiple of the ranks (8)"},
+      {"sim --cluster p4d.24xlarge --ep-size 3", "ep-size (3) must divide"},
+      {"sim --cluster p4d.24xlarge --load zipf:abc", "Zipf exponent"},
+      {"sim --cluster p4d.24xlarge --load /nonexistent.jsonl", "cannot read /nonexistent.jsonl"},
+      {"sim --cluster p4d.24xlarge --strategy smartmoe", "strategy \"smartmoe\" is not known (known: ep, fastermoe, hecate)"},
+      {"sim --cluster p4d.24xlarge --steps 0", "steps (0) must be >= 1"},
+      {"sim --cluster p4d.24xlarge --model /nonexistent.json", "model config /nonexistent.json"},
+      {"sim --calibrate /nonexistent", "--calibrate needs --out"},
+  };
+  for (const Case& c : cases) {
+    const Result r = run(moe + " " + c.args);
+    EXPECT_EQ(r.code, 1) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("step time"), std::string::npos) << c.args;
+  }
+}
+
+TEST_F(SimCli, CalibratesOnARealRunAndTheClusterFileLoads) {
+  const std::string model = "--seq-len 32 --d-model 32 --layers 2 --heads 2 --d-ffn 64 --experts 4 --top-k 2";
+  Result r = run(std::string(MOE_BIN) + " train --ranks 2 --data " MOE_TEST_DIR "/../docs/model.md " + model +
+                 " --batch-size 8 --steps 4 --trace-steps 4 --eval-batches 1 --threads 1 --metrics " +
+                 (dir_ / "metrics.jsonl").string() + " --trace " + (dir_ / "trace.json").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const fs::path model_file = dir_ / "model.json", cluster = dir_ / "cluster.json";
+  std::ofstream(model_file) << R"({"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ffn": 64, "n_experts": 4, "top_k": 2})";
+  r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --model " + model_file.string() + " --out " +
+          cluster.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("calibration of a 2-rank run, batch 8 sequences"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("compute ops ("), std::string::npos) << r.output;
+  r = run(std::string(MOE_BIN) + " sim --cluster " + cluster.string() + " --ranks 2 --batch 8 --steps 2 --model " +
+          model_file.string() + " --load " + (dir_ / "metrics.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("cluster   calibrated: 1 node(s) x 8 calibrated (pcie)"), std::string::npos) << r.output;
+  // A calibration against the wrong model is an error naming the op it cannot place.
+  std::ofstream(dir_ / "other.json") << R"({"seq_len": 32, "d_model": 32, "n_layers": 3, "n_heads": 2, "d_ffn": 64, "n_experts": 4, "top_k": 2})";
+  r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --model " + (dir_ / "other.json").string() +
+          " --out " + (dir_ / "x.json").string());
+  EXPECT_EQ(r.code, 1) << r.output;
+}
+
+TEST(SimCalibrate, FitLineRecoversALine) {
+  const moe::sim::LinearFit f = moe::sim::fit_line({1, 2, 3, 4}, {3, 5, 7, 9});
+  EXPECT_NEAR(f.intercept, 1, 1e-12);
+  EXPECT_NEAR(f.slope, 2, 1e-12);
+  EXPECT_NEAR(f.rms, 0, 1e-12);
+  EXPECT_EQ(f.n, 4);
+}
+
+}  // namespace

@@ -1,0 +1,375 @@
+// The simulator's StepGraph executor (src/sim/executor.h): the runtime's semantics (FIFO streams,
+// dependencies, priority gating, collectives that start when their last member arrives), closed forms
+// through the executor, contention between lanes, determinism of the trace, and the EP graph.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "graph/ep_builder.h"
+#include "runtime/trace.h"
+#include "sim/executor.h"
+#include "sim/load.h"
+
+namespace moe::sim {
+namespace {
+
+using graph::Collective;
+using graph::Group;
+using graph::Op;
+using graph::OpKind;
+using graph::StepGraph;
+
+// A device that computes 1e14 FLOP/s at any size, no launch overhead: flops / 1e14 seconds.
+DeviceSpec unit_device() { return DeviceSpec{"test-gpu", 100e12, 1e15, 0, 1, 0}; }
+
+ClusterSpec node_spec(int devices) {
+  ClusterSpec c;
+  c.name = "test";
+  NodeSpec& n = c.node;
+  n.devices = devices;
+  n.device = unit_device();
+  n.sockets = 1;
+  n.switch_socket = {0};
+  n.switch_uplink = {1e12, 0};
+  n.device_switch.assign(devices, 0);
+  n.device_pcie = {1e12, 0};
+  return c;
+}
+
+ClusterSpec star_spec(int p, double B, double alpha) {
+  ClusterSpec c = node_spec(p);
+  c.node.interconnect = Interconnect::nvswitch;
+  c.node.nvlink = {B, alpha / 2};
+  c.node.nvswitch_links = 1;
+  return c;
+}
+
+ClusterSpec ring_spec(int p, double B, double alpha) {
+  ClusterSpec c = node_spec(p);
+  c.node.interconnect = Interconnect::nvlink;
+  c.node.nvlink = {B, alpha};
+  c.node.nvlink_links.assign(p, std::vector<int>(p, 0));
+  for (int i = 0; i < p; ++i) {
+    c.node.nvlink_links[i][(i + 1) % p] = 1;
+    c.node.nvlink_links[(i + 1) % p][i] = 1;
+  }
+  return c;
+}
+
+// Two nodes of one device each, one NIC per node of bandwidth B: both ranks' traffic crosses it.
+ClusterSpec two_nodes_one_nic(double B) {
+  ClusterSpec c = node_spec(1);
+  c.nodes = 2;
+  c.node.nic_switch = {0};
+  c.node.nic_pcie = {1e12, 0};
+  c.node.nic_port = {B, 0};
+  return c;
+}
+
+int compute(StepGraph& g, double flops, std::vector<int> deps = {}) {
+  Op op;
+  op.kind = OpKind::custom;
+  op.cost.flops = flops;
+  op.deps = std::move(deps);
+  return g.add(op);
+}
+
+int comm(StepGraph& g, int stream, Collective c, Group grp, int priority, std::vector<int> deps, int64_t bytes,
+         std::vector<int64_t> peer = {}) {
+  Op op;
+  op.kind = OpKind::custom_comm;
+  op.collective = c;
+  op.group = grp;
+  op.stream = stream;
+  op.priority = priority;
+  op.deps = std::move(deps);
+  op.cost.bytes = bytes;
+  op.cost.peer_bytes = std::move(peer);
+  return g.add(op);
+}
+
+double start_s(const StepResult& r, int rank, int op) { return r.timelines[rank].spans[op].start_ns * 1e-9; }
+double end_s(const StepResult& r, int rank, int op) { return r.timelines[rank].spans[op].end_ns * 1e-9; }
+
+StepResult run(const Cluster& cluster, const std::vector<StepGraph>& graphs, ExecutorConfig cfg = {}) {
+  cfg.ranks = static_cast<int>(graphs.size());
+  if (cfg.ep_size == 0) cfg.ep_size = 1;
+  StepExecutor ex(cluster, cfg);
+  StepResult r;
+  Status s = ex.run_step(graphs, &r);
+  EXPECT_TRUE(s) << s.message();
+  return r;
+}
+
+constexpr double kNs = 2e-9;  // timelines are whole nanoseconds
+
+// FIFO and dependencies on one rank's compute stream and a lane; a collective starts its transfers only
+// when its last member reaches it, while each member's op runs from the moment it reached it.
+TEST(SimExecutor, FifoDepsAndCollectivesWaitForTheLastMember) {
+  const double B = 1e9;
+  const Cluster cluster(star_spec(2, B, 0));
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) {
+    g[r].add_stream("a2a", true);
+    const int c0 = compute(g[r], r == 0 ? 1e14 : 3e14);                              // 1 s on rank 0, 3 s on rank 1
+    const int x = comm(g[r], 1, Collective::alltoallv, Group::world, 0, {c0}, 1000000000, {0, 1000000000});
+    if (r == 1) g[r].ops[x].cost.peer_bytes = {1000000000, 0};
+    compute(g[r], 0.5e14);                                                           // FIFO behind c0
+    compute(g[r], 1e14, {x});                                                        // after the exchange
+  }
+  const StepResult res = run(cluster, g);
+  // rank 0 reaches the exchange at 1 s, rank 1 at 3 s; 1 GB each way at 1 GB/s: ends at 4 s.
+  EXPECT_NEAR(start_s(res, 0, 1), 1.0, kNs);
+  EXPECT_NEAR(start_s(res, 1, 1), 3.0, kNs);
+  EXPECT_NEAR(end_s(res, 0, 1), 4.0, kNs);
+  EXPECT_NEAR(end_s(res, 1, 1), 4.0, kNs);
+  EXPECT_NEAR(start_s(res, 0, 2), 1.0, kNs);  // after its stream predecessor, not the exchange
+  EXPECT_NEAR(end_s(res, 0, 2), 1.5, kNs);
+  EXPECT_NEAR(start_s(res, 0, 3), 4.0, kNs);  // waits for its dependency
+  EXPECT_NEAR(start_s(res, 1, 2), 3.0, kNs);
+  EXPECT_NEAR(start_s(res, 1, 3), 4.0, kNs);
+  EXPECT_NEAR(res.seconds(), 5.0, kNs);
+  // Critical path: rank 1's first op 3 s, the exchange 1 s (from rank 1's arrival), then 1 s of compute.
+  double compute_s = 0, a2a_s = 0, total = 0;
+  for (const auto& [cat, s] : res.critical_path_s) {
+    total += s;
+    if (cat == "compute") compute_s = s;
+    if (cat == "other comm") a2a_s = s;
+  }
+  EXPECT_NEAR(total, res.seconds(), 1e-12);
+  EXPECT_NEAR(compute_s, 4.0, 1e-9);
+  EXPECT_NEAR(a2a_s, 1.0, 1e-9);
+}
+
+// Rank graphs for the priority test: an allreduce cut into two micro-ops on lane 2, ready at 0; an
+// all-to-all on lane 1 that becomes ready when a compute op ends while the first micro-op runs.
+std::vector<StepGraph> priority_graphs(int a2a_priority, double S) {
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) {
+    g[r].add_stream("a2a", true);
+    g[r].add_stream("allreduce", true);
+    const int c = compute(g[r], 0.5e14);  // 0.5 s
+    const int ar0 = comm(g[r], 2, Collective::allreduce, Group::world, 0, {}, static_cast<int64_t>(S));
+    comm(g[r], 2, Collective::allreduce, Group::world, 0, {ar0}, static_cast<int64_t>(S));
+    std::vector<int64_t> peer(2, static_cast<int64_t>(S));
+    peer[r] = 0;
+    comm(g[r], 1, Collective::alltoallv, Group::world, a2a_priority, {c}, static_cast<int64_t>(S), peer);
+  }
+  return g;
+}
+
+TEST(SimExecutor, AHighPriorityAlltoallOvertakesAnAllreduceQueuedBeforeIt) {
+  const double B = 1e9, S = 1e9;  // an allreduce micro-op alone: S/B = 1 s on two ranks
+  const Cluster cluster(star_spec(2, B, 0));
+  // ops: 0 compute (0 .. 0.5), 1 ar0, 2 ar1, 3 a2a
+  const StepResult prio = run(cluster, priority_graphs(1, S));
+  EXPECT_NEAR(start_s(prio, 0, 3), 0.5, kNs);             // ar0 running does not hold it (lower priority)
+  EXPECT_GE(start_s(prio, 0, 2), end_s(prio, 0, 3) - kNs);  // ar1 waits for the all-to-all
+  EXPECT_GT(start_s(prio, 0, 2), end_s(prio, 0, 1) + 0.1);  // although ar0 ended well before
+
+  // Equal priority: ar1 starts as soon as ar0 ends, while the all-to-all still runs.
+  const StepResult equal = run(cluster, priority_graphs(0, S));
+  EXPECT_NEAR(start_s(equal, 0, 2), end_s(equal, 0, 1), kNs);
+  EXPECT_LT(start_s(equal, 0, 2), end_s(equal, 0, 3));
+}
+
+TEST(SimExecutor, RingAllreduceAndEqualFlowsMatchTheirClosedForms) {
+  const double B = 10e9, alpha = 5e-6, S = 64e6;
+  for (int p : {2, 4, 8}) {
+    for (bool aggregate : {false, true}) {
+      const Cluster cluster(ring_spec(p, B, alpha));
+      std::vector<StepGraph> g(p);
+      for (int r = 0; r < p; ++r) {
+        g[r].add_stream("allreduce", true);
+        comm(g[r], 1, Collective::allreduce, Group::world, 0, {}, static_cast<int64_t>(S));
+      }
+      ExecutorConfig cfg;
+      cfg.aggregate_flows = aggregate;
+      const StepResult res = run(cluster, g, cfg);
+      const double expect = 2.0 * (p - 1) / p * S / B + 2.0 * (p - 1) * alpha;
+      EXPECT_NEAR(res.seconds(), expect, 1e-9 * expect + kNs) << "p=" << p << " aggregate=" << aggregate;
+    }
+  }
+  // n senders to one receiver over a star: the receiver's link carries n flows, each at B/n.
+  const int n = 4;
+  const double b = 1e9;
+  const Cluster star(star_spec(n + 1, B, 0));
+  std::vector<StepGraph> g(n + 1);
+  for (int r = 0; r <= n; ++r) {
+    g[r].add_stream("a2a", true);
+    std::vector<int64_t> peer(n + 1, 0);
+    if (r > 0) peer[0] = static_cast<int64_t>(b);
+    comm(g[r], 1, Collective::alltoallv, Group::world, 0, {}, r > 0 ? static_cast<int64_t>(b) : 0, peer);
+  }
+  const StepResult res = run(star, g);
+  EXPECT_NEAR(res.seconds(), n * b / B, 1e-9);
+  for (int r = 1; r <= n; ++r) EXPECT_NEAR(end_s(res, r, 0), n * b / B, kNs);
+}
+
+// An allreduce (lane 2) and an all-to-all (lane 1) of the same two ranks share each node's NIC.
+std::vector<StepGraph> contention_graphs(int a2a_priority, double S) {
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) {
+    g[r].add_stream("a2a", true);
+    g[r].add_stream("allreduce", true);
+    std::vector<int64_t> peer(2, static_cast<int64_t>(2 * S));
+    peer[r] = 0;
+    comm(g[r], 1, Collective::alltoallv, Group::world, a2a_priority, {}, static_cast<int64_t>(2 * S), peer);
+    comm(g[r], 2, Collective::allreduce, Group::world, 0, {}, static_cast<int64_t>(S));
+  }
+  return g;
+}
+
+TEST(SimExecutor, LanesSharingANicSlowEachOtherUnlessTheAlltoallHasPriority) {
+  const double B = 12.5e9, S = 100e6;
+  const Cluster cluster(two_nodes_one_nic(B));
+  // Alone: allreduce S/B, all-to-all 2S/B (collectives.h closed forms). Together at equal priority:
+  // fair shares B/2 until the allreduce ends at 2S/B (factor 2), the all-to-all at 3S/B (factor 1.5).
+  const StepResult equal = run(cluster, contention_graphs(0, S));
+  EXPECT_NEAR(end_s(equal, 0, 1), 2 * S / B, kNs);
+  EXPECT_NEAR(end_s(equal, 0, 0), 3 * S / B, kNs);
+  // All-to-all first (Lina's rule): it runs alone, 2S/B; the allreduce follows, S/B more.
+  const StepResult prio = run(cluster, contention_graphs(1, S));
+  EXPECT_NEAR(end_s(prio, 0, 0), 2 * S / B, kNs);
+  EXPECT_NEAR(start_s(prio, 0, 1), 2 * S / B, kNs);
+  EXPECT_NEAR(end_s(prio, 0, 1), 3 * S / B, kNs);
+  // Link utilisation: the NIC port of node 0 carried 2S + S each way over 3S/B: fully busy.
+  const std::vector<LinkUse> top = top_links(cluster, prio.link_bytes, prio.seconds(), 2);
+  ASSERT_FALSE(top.empty());
+  EXPECT_NEAR(top[0].utilisation, 1.0, 1e-6);
+  EXPECT_NE(top[0].name.find("nic"), std::string::npos) << top[0].name;
+}
+
+// The EP graph of build_ep_step filled from a load, on a p4d-like preset of `ranks` devices.
+struct EpRun {
+  std::vector<StepGraph> graphs;
+  std::vector<StepResult> steps;
+};
+
+EpRun run_ep(const Cluster& cluster, int ranks, int ep_size, int steps, const std::string& load_text) {
+  ModelConfig cfg;
+  graph::EpStepOptions opt;
+  opt.world = ranks;
+  opt.ep_size = ep_size;
+  opt.batch = 4;
+  const graph::EpStep step = graph::build_ep_step(cfg, opt);
+  LoadSpec spec;
+  EXPECT_TRUE(LoadSpec::parse(load_text, &spec));
+  Load load;
+  EXPECT_TRUE(Load::make(spec, cfg, ranks, opt.batch * cfg.seq_len, &load));
+  ExecutorConfig ec;
+  ec.ranks = ranks;
+  ec.ep_size = ep_size;
+  StepExecutor ex(cluster, ec);
+  EpRun out;
+  for (int s = 0; s < steps; ++s) {
+    const StepLoad l = load.step(s);
+    out.graphs.assign(ranks, step.graph);
+    for (int r = 0; r < ranks; ++r) fill_ep_costs(cfg, opt, l, r, &out.graphs[r]);
+    StepResult res;
+    Status st = ex.run_step(out.graphs, &res);
+    EXPECT_TRUE(st) << st.message();
+    out.steps.push_back(std::move(res));
+  }
+  return out;
+}
+
+TEST(SimExecutor, EpGraphRunsAndItsBreakdownIsConsistent) {
+  for (int ranks : {2, 8}) {
+    ClusterSpec spec;
+    ASSERT_TRUE(preset_cluster("p4d.24xlarge", (ranks + 7) / 8, &spec));
+    const Cluster cluster(spec);
+    const EpRun run = run_ep(cluster, ranks, ranks, 2, "zipf:1.0");
+    ASSERT_EQ(run.steps.size(), 2u);
+    const StepResult& res = run.steps[1];
+    EXPECT_NEAR(res.start_s, run.steps[0].end_s, 1e-15);  // back to back
+    const graph::StepGraph& g = run.graphs[0];
+    int64_t longest = 0;
+    for (int r = 0; r < ranks; ++r) {
+      const runtime::StepBreakdown b = runtime::breakdown(g, res.timelines[r]);
+      double compute_ms = 0, model_ms = 0;
+      for (const Op& op : run.graphs[r].ops) {
+        const runtime::OpSpan& sp = res.timelines[r].spans[op.id];
+        ASSERT_GE(sp.start_ns, 0);
+        ASSERT_GE(sp.end_ns, sp.start_ns);
+        if (graph::is_communication(op.kind)) continue;
+        compute_ms += (sp.end_ns - sp.start_ns) * 1e-6;
+        model_ms += op_time(cluster.device(), op.cost.flops, static_cast<double>(op.cost.bytes)) * 1e3;
+      }
+      EXPECT_NEAR(b.compute_ms, compute_ms, 1e-9);
+      EXPECT_NEAR(b.compute_ms, model_ms, 1e-6 * g.ops.size());  // ns rounding per op
+      EXPECT_NEAR(b.exposed_comm_ms, b.wall_ms - b.compute_ms, 1e-9);
+      EXPECT_GT(b.comm_ms, 0);
+      EXPECT_LE(b.allreduce_hidden_ms, b.allreduce_ms + 1e-9);
+      longest = std::max(longest, res.timelines[r].wall_ns);
+    }
+    EXPECT_NEAR(longest * 1e-9, res.seconds(), 2e-9);
+    double total = 0, a2a = 0;
+    for (const auto& [cat, s] : res.critical_path_s) {
+      total += s;
+      if (cat == "all-to-all") a2a = s;
+    }
+    EXPECT_NEAR(total, res.seconds(), 1e-12);
+    EXPECT_GT(a2a, 0) << ranks << " ranks";
+    EXPECT_GT(res.flows, 0);
+  }
+}
+
+std::string read(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(SimExecutor, TheSameInputsGiveTheSameTraceByteForByte) {
+  ClusterSpec spec;
+  ASSERT_TRUE(preset_cluster("p4d.24xlarge", 2, &spec));
+  const Cluster cluster(spec);
+  const auto dir = std::filesystem::temp_directory_path();
+  std::string texts[2];
+  for (int i = 0; i < 2; ++i) {
+    const EpRun run = run_ep(cluster, 16, 8, 2, "zipf-drift:1.2,2");
+    std::vector<runtime::TraceRecord> records;
+    for (size_t s = 0; s < run.steps.size(); ++s)
+      for (int r = 0; r < 16; ++r)
+        runtime::append_records(&records, run.graphs[r], run.steps[s].timelines[r], r, static_cast<int64_t>(s) + 1, 0);
+    const auto path = dir / ("moe_sim_trace_" + std::to_string(::getpid()) + "_" + std::to_string(i) + ".json");
+    ASSERT_TRUE(runtime::write_chrome_trace(path.string(), run.graphs[0], records, 16));
+    texts[i] = read(path);
+    std::filesystem::remove(path);
+  }
+  EXPECT_GT(texts[0].size(), 1000u);
+  EXPECT_EQ(texts[0], texts[1]);
+}
+
+TEST(SimExecutor, BadInputIsAnErrorNotAHang) {
+  const Cluster cluster(star_spec(2, 1e9, 0));
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) g[r].add_stream("a2a", true);
+  comm(g[0], 1, Collective::alltoallv, Group::world, 0, {}, 8, {0, 8, 0});  // 3 entries for 2 members
+  comm(g[1], 1, Collective::alltoallv, Group::world, 0, {}, 8, {8, 0});
+  ExecutorConfig cfg;
+  cfg.ranks = 2;
+  StepExecutor ex(cluster, cfg);
+  StepResult res;
+  Status s = ex.run_step(g, &res);
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.message().find("peer_bytes"), std::string::npos) << s.message();
+  std::vector<StepGraph> one(1);
+  EXPECT_FALSE(ex.run_step(one, &res));  // one graph for two ranks
+  compute(g[1], 1);                      // different structure
+  g[0].ops[0].cost.peer_bytes = {0, 8};
+  s = ex.run_step(g, &res);
+  EXPECT_NE(s.message().find("structure"), std::string::npos) << s.message();
+  cfg.ep_size = 3;
+  EXPECT_THROW(StepExecutor(cluster, cfg), std::logic_error);
+}
+
+}  // namespace
+}  // namespace moe::sim
