@@ -41,7 +41,7 @@ int sparse_collectives(const BenchOptions& opt);
 int cluster_collectives(const BenchOptions& opt);
 int cluster_ep_training(const BenchOptions& opt);
 
-// The training strategies (ep, hecate, hecate --rematerialize, fastermoe) on 2 MPI ranks with a
+// The training strategies (ep, hecate, hecate --rematerialize, fastermoe, smartmoe, flexmoe) on 2 MPI ranks with a
 // skewed router, next to EP with an unskewed router: step time, MoE-layer time of the busiest rank,
 // expert GEMM time max/mean, rank imbalance, sparse-collective bytes. Starts mpirun itself.
 int strategies(const BenchOptions& opt);

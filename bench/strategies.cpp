@@ -94,7 +94,9 @@ int strategies(const BenchOptions& opt) {
                                     {"ep", skew + "--strategy ep"},
                                     {"hecate", skew + "--strategy hecate"},
                                     {"hecate --rematerialize", skew + "--strategy hecate --rematerialize"},
-                                    {"fastermoe", skew + "--strategy fastermoe"}};
+                                    {"fastermoe", skew + "--strategy fastermoe"},
+                                    {"smartmoe --reshard-every 5", skew + "--strategy smartmoe --reshard-every 5"},
+                                    {"flexmoe", skew + "--strategy flexmoe"}};
   std::vector<Samples> samples(configs.size());
   std::vector<bool> ok(configs.size(), true);
   for (int r = 0; r < rounds; ++r)

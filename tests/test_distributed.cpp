@@ -144,10 +144,13 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
   // Re-sharding every 2 steps moves expert shards with their Adam moments (Hecate's Alg. 2,
   // SmartMoE's swaps); the final checkpoint then holds non-contiguous expert rows per part.
   const std::string resharding = hecate + " --reshard-every 2", smartmoe = "smartmoe --reshard-every 2";
+  // FlexMoE re-plans its persistent replicas (at least every 2 steps; a slow assumed GEMM makes its
+  // cost model accept moves at this tiny size).
+  const std::string flexmoe = "flexmoe --reshard-every 2 --gemm-gflops 0.01";
   for (const Case& c : {Case{hecate, 2}, Case{hecate + " --rematerialize", 2}, Case{"fastermoe --gemm-gflops 1", 2},
-                        Case{resharding, 2}, Case{smartmoe, 2}, Case{"ep", 4}, Case{hecate, 4},
+                        Case{resharding, 2}, Case{smartmoe, 2}, Case{flexmoe, 2}, Case{"ep", 4}, Case{hecate, 4},
                         Case{hecate + " --rematerialize", 4}, Case{"fastermoe --gemm-gflops 1", 4},
-                        Case{resharding, 4}}) {
+                        Case{resharding, 4}, Case{flexmoe, 4}}) {
     const std::string label = c.strategy + std::string(" on ").append(std::to_string(c.ranks)).append(" ranks");
     SCOPED_TRACE(label);
     const fs::path ck = dir_ / std::string("c").append(std::to_string(c.ranks)), metrics = dir_ / "metrics.jsonl";
@@ -165,9 +168,9 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
       peak = std::max(peak, m.at("memory_bytes").at("replicas_peak").get<int64_t>());
       moved += m.at("experts_moved").get<int64_t>();
     }
-    if (c.strategy.find("--reshard-every") != std::string::npos) {
+    if (c.strategy == resharding || c.strategy == smartmoe) {
       EXPECT_GT(moved, 0) << "no expert shard moved: the re-sharding was not exercised";
-    } else {
+    } else if (c.strategy != flexmoe) {
       EXPECT_EQ(moved, 0);
     }
     if (c.strategy == smartmoe) continue;  // no replicas by design

@@ -108,21 +108,22 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
             "gradient allreduce micro-op size in KiB, so all-to-alls overtake it (0: whole buckets)");
   bind_flag(c, f, "--strategy", &TrainConfig::strategy,
             "where experts live: ep (static), hecate (sparse materialization), fastermoe (shadowing), "
-            "smartmoe (expert swaps)");
+            "smartmoe (expert swaps), flexmoe (re-planned replicas)");
   {
     CLI::Option* o = c->add_flag("--rematerialize", f->cfg.rematerialize,
                                  "hecate: free expert replicas after forward and gather them again for backward");
     bindings().push_back({o, [](const TrainConfig& from, TrainConfig* to) { to->rematerialize = from.rematerialize; }});
   }
   bind_flag(c, f, "--replica-slots", &TrainConfig::replica_slots,
-            "hecate: extra experts a rank may hold per layer (-1: experts per rank)");
+            "hecate: extra experts a rank may hold per layer (-1: experts per rank); flexmoe: reserved slots (-1: 1)");
   bind_flag(c, f, "--overlap-degree", &TrainConfig::overlap_degree,
             "hecate: experts gathered behind attention (-1: from the measured attention time)");
   bind_flag(c, f, "--load-window", &TrainConfig::load_window, "hecate: steps of the load prediction window");
   bind_flag(c, f, "--link-gbs", &TrainConfig::link_gbs, "GB/s the planners assume for moving expert weights");
   bind_flag(c, f, "--gemm-gflops", &TrainConfig::gemm_gflops, "GFLOP/s FasterMoE's cost model assumes");
   bind_flag(c, f, "--reshard-every", &TrainConfig::reshard_every,
-            "hecate, smartmoe: move expert shards to new owners every N steps (0: never)");
+            "hecate, smartmoe: move expert shards to new owners every N steps (0: never); flexmoe: re-plan at "
+            "least every N steps");
   bind_flag(c, f, "--trace", &TrainConfig::trace, "write a Chrome trace (Perfetto) of all ranks to FILE");
   bind_flag(c, f, "--trace-steps", &TrainConfig::trace_steps, "steps the trace covers, from the first");
   bind_model_flag(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");

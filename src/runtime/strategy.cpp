@@ -1,7 +1,6 @@
 // Training strategies: see strategy.h.
 #include "runtime/strategy.h"
 
-#include <map>
 #include <numeric>
 
 #include "plan/baselines.h"
@@ -11,7 +10,7 @@
 namespace moe::runtime {
 
 Strategy::Strategy(const TrainConfig& cfg) : cfg_(cfg) {
-  if (cfg_.strategy == "hecate" || cfg_.strategy == "smartmoe") {
+  if (cfg_.strategy == "hecate" || cfg_.strategy == "smartmoe" || cfg_.strategy == "flexmoe") {
     // SmartMoE averages the loads since its last update: a window of reshard_every steps.
     const int64_t window = cfg_.strategy == "smartmoe" ? std::max<int64_t>(1, cfg_.reshard_every) : cfg_.load_window;
     int moe_layers = 0;
@@ -36,7 +35,8 @@ Status Strategy::ep_size(int world, int* out) const {
 
 void Strategy::configure(graph::EpStepOptions* opt) const {
   if (opt->world == 1) return;  // one process: nothing to place
-  opt->gather_before_gate = cfg_.strategy == "hecate";  // smartmoe: placements without replicas
+  // smartmoe: placements without replicas; flexmoe: its persistent replicas, gathered each step.
+  opt->gather_before_gate = cfg_.strategy == "hecate" || cfg_.strategy == "flexmoe";
   opt->rematerialize = cfg_.strategy == "hecate" && cfg_.rematerialize;
   // Hecate calibrates after the gate (a second gather, only when its cost model says it pays).
   opt->gather_after_gate = cfg_.strategy == "fastermoe" || cfg_.strategy == "hecate";
@@ -57,6 +57,19 @@ int64_t Strategy::expert_bytes() const {
 }
 
 void Strategy::before_step(Model& model, int overlap_degree) {
+  if (cfg_.strategy == "flexmoe") {
+    int i = 0;
+    for (int64_t l = 0; l < model.n_blocks(); ++l) {
+      MoeLayer* moe = model.moe_layer(l);
+      if (!moe || !moe->placements_enabled()) continue;
+      if (static_cast<int>(flex_placement_.size()) <= i) {
+        flex_placement_.push_back(moe->owners());
+        flex_since_.push_back(0);
+      }
+      moe->set_placement(flex_placement_[i++]);
+    }
+    return;
+  }
   if (cfg_.strategy != "hecate") return;
   overlap_degree_ = overlap_degree;
   int i = 0;  // MoE layer index
@@ -103,6 +116,7 @@ Status Strategy::place(Model& model, int64_t layer) {
 }
 
 int Strategy::reshard(Model& model, AdamW& opt, int64_t done) {
+  if (cfg_.strategy == "flexmoe") return flexmoe_replan(model, opt);
   if ((cfg_.strategy != "hecate" && cfg_.strategy != "smartmoe") || cfg_.reshard_every <= 0 ||
       done % cfg_.reshard_every != 0 || !predictor_)
     return 0;
@@ -123,13 +137,41 @@ int Strategy::reshard(Model& model, AdamW& opt, int64_t done) {
       owners.push_back(p.owner);
     }
   }
-  std::map<const Param*, size_t> index;
-  for (size_t i = 0; i < opt.params().size(); ++i) index[opt.params()[i]] = i;
   int moved = 0;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    std::vector<std::pair<Tensor*, Tensor*>> moments;
-    for (Param* p : layers[i]->expert_params()) moments.push_back({&opt.m(index.at(p)), &opt.v(index.at(p))});
-    moved += layers[i]->reshard(owners[i], moments);
+  for (size_t i = 0; i < layers.size(); ++i) moved += reshard_layer(*layers[i], opt, owners[i]);
+  return moved;
+}
+
+int Strategy::reshard_layer(MoeLayer& moe, AdamW& opt, const std::vector<int>& owner) {
+  if (owner == moe.owners().owner) return 0;  // applied only when shards change
+  std::vector<std::pair<Tensor*, Tensor*>> moments;
+  for (Param* p : moe.expert_params())
+    for (size_t i = 0; i < opt.params().size(); ++i)
+      if (opt.params()[i] == p) moments.push_back({&opt.m(i), &opt.v(i)});
+  return moe.reshard(owner, moments);
+}
+
+int Strategy::flexmoe_replan(Model& model, AdamW& opt) {
+  plan::FlexMoeConfig fc;
+  fc.reserved_slots = cfg_.replica_slots >= 0 ? static_cast<int>(cfg_.replica_slots) : 1;
+  fc.replan_interval = cfg_.reshard_every > 0 ? static_cast<int>(cfg_.reshard_every) : 50;
+  const double mats = cfg_.model.activation == "swiglu" ? 3 : 2;
+  fc.expert_seconds_per_token =
+      3 * 2 * mats * static_cast<double>(cfg_.model.d_model * cfg_.model.d_ffn) / (cfg_.gemm_gflops * 1e9);
+  fc.expert_state_bytes = 3 * expert_bytes();  // weights + Adam's two moments
+  fc.bandwidth = cfg_.link_gbs * 1e9;
+  int moved = 0, i = 0;
+  for (int64_t l = 0; l < model.n_blocks(); ++l) {
+    MoeLayer* moe = model.moe_layer(l);
+    if (!moe || !moe->placements_enabled() || i >= static_cast<int>(flex_placement_.size())) continue;
+    ++flex_since_[i];
+    const plan::FlexMoePlan p = plan::flexmoe_plan(flex_placement_[i], predictor_->predict(i), flex_since_[i], fc);
+    if (p.replanned) {
+      flex_since_[i] = 0;
+      moved += reshard_layer(*moe, opt, p.placement.owner);
+      flex_placement_[i] = p.placement;
+    }
+    ++i;
   }
   return moved;
 }

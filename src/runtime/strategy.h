@@ -15,6 +15,13 @@
 //              moments (MoeLayer::reshard).
 //   fastermoe  FasterMoE's dynamic shadowing: after each gate, its cost model picks the hottest
 //              experts to broadcast to every rank (plan::fastermoe_plan), on the critical path.
+//   flexmoe    FlexMoE's replicas, reconstructed (plan::flexmoe_plan): a persistent placement per
+//              layer, re-planned when the ranks' load balance exceeds 1.2 or every reshard_every
+//              steps, within replica_slots reserved slots. Deviation: FlexMoE keeps optimizer state in
+//              every replica and all-reduces replica gradients; here the owner keeps it, replica
+//              gradients are summed into it (SparseReduceScatter) and the updated weights gathered
+//              again before the next forward (SparseAllGather): the same bytes per step, split
+//              between backward and the next forward. A shrink that drops an owner moves its shard.
 //   smartmoe   SmartMoE's expert swaps: no replicas; every reshard_every steps its greedy
 //              (plan::smartmoe_plan) re-assigns each layer's experts from the loads averaged over
 //              those steps, adopted only when the busiest rank's load drops.
@@ -75,10 +82,15 @@ class Strategy {
   int64_t expert_bytes() const;
 
  private:
+  int reshard_layer(MoeLayer& moe, AdamW& opt, const std::vector<int>& owner);
+  int flexmoe_replan(Model& model, AdamW& opt);
+
   TrainConfig cfg_;
   std::unique_ptr<plan::LoadPredictor> predictor_;
   plan::Nodes nodes_;
   int overlap_degree_ = 0;     // hecate: the t of this step
+  std::vector<plan::LayerPlacement> flex_placement_;  // flexmoe: the persistent placement per MoE layer
+  std::vector<int> flex_since_;                       // flexmoe: steps since each layer's last re-plan
   int64_t calibrations_ = 0;   // hecate: layers whose calibration gathered, since take_calibrations()
  public:
   // Hecate: MoE layers whose post-gate calibration issued a second gather since the last call.

@@ -62,8 +62,9 @@ Status TrainConfig::validate() const {
   if (ranks_per_node < 0) return fail("ranks_per_node must be >= 0 (0: as MPI finds them)");
   if (allreduce_micro_kb < 0) return fail("allreduce_micro_kb must be >= 0 (0: no micro-ops)");
   if (trace_steps < 1) return fail("trace_steps must be >= 1");
-  if (strategy != "ep" && strategy != "hecate" && strategy != "fastermoe" && strategy != "smartmoe")
-    return fail("strategy '" + strategy + "' is not one of ep, hecate, fastermoe, smartmoe");
+  if (strategy != "ep" && strategy != "hecate" && strategy != "fastermoe" && strategy != "smartmoe" &&
+      strategy != "flexmoe")
+    return fail("strategy '" + strategy + "' is not one of ep, hecate, fastermoe, smartmoe, flexmoe");
   if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
   if (rematerialize && strategy != "hecate") return fail("rematerialize applies to strategy hecate only");
   if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");

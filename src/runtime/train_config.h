@@ -49,11 +49,13 @@ struct TrainConfig {
   // Where experts live during a step (runtime/strategy.h): "ep" (static expert parallelism),
   // "hecate" (FSSDP: sparse materialization of the predicted-hot experts behind attention, and
   // heterogeneous re-sharding), "fastermoe" (shadow the hottest experts on every rank after the
-  // gate), or "smartmoe" (swap experts between ranks every reshard_every steps). Every strategy computes
+  // gate), "smartmoe" (swap experts between ranks every reshard_every steps) or "flexmoe" (replicas
+  // re-planned when the ranks' balance drifts or every reshard_every steps). Every strategy computes
   // the same mathematics; only speed differs.
   std::string strategy = "ep";
   bool rematerialize = false;     // hecate: free replicas after forward, gather them again for backward
-  int64_t replica_slots = -1;     // hecate: extra experts a rank may hold per layer (-1: experts per rank)
+  int64_t replica_slots = -1;     // hecate: extra experts a rank may hold per layer (-1: experts per rank);
+                                  // flexmoe: its reserved slots per rank and layer (-1: 1)
   int64_t overlap_degree = -1;    // hecate: experts gathered behind attention (-1: from measured attention time)
   int64_t load_window = 5;        // hecate: steps of the sliding-window load prediction
   double link_gbs = 10;           // GB/s the planners' cost models assume for moving expert weights
