@@ -116,6 +116,8 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   }
   bind_flag(c, f, "--replica-slots", &TrainConfig::replica_slots,
             "hecate: extra experts a rank may hold per layer (-1: experts per rank); flexmoe: reserved slots (-1: 1)");
+  bind_flag(c, f, "--replica-memory-mb", &TrainConfig::replica_memory_mb,
+            "hecate: per-rank MiB for one layer's replicas and their gradients; sets the slots");
   bind_flag(c, f, "--overlap-degree", &TrainConfig::overlap_degree,
             "hecate: experts gathered behind attention (-1: from the measured attention time)");
   bind_flag(c, f, "--load-window", &TrainConfig::load_window, "hecate: steps of the load prediction window");

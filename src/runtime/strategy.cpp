@@ -48,6 +48,10 @@ void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator
 }
 
 int Strategy::replica_slots(int64_t n_experts, int world) const {
+  // A replica costs its weights and, in backward, their gradient buffer (plan::memory_slots counts
+  // weights only, so it is given half the budget).
+  if (cfg_.replica_memory_mb > 0)
+    return plan::memory_slots(static_cast<int64_t>(cfg_.replica_memory_mb * (1 << 20) / 2), expert_bytes());
   return cfg_.replica_slots >= 0 ? static_cast<int>(cfg_.replica_slots) : static_cast<int>(n_experts / world);
 }
 

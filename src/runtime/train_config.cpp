@@ -68,6 +68,8 @@ Status TrainConfig::validate() const {
   if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
   if (rematerialize && strategy != "hecate") return fail("rematerialize applies to strategy hecate only");
   if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");
+  if (!(replica_memory_mb >= 0) || !std::isfinite(replica_memory_mb))
+    return fail("replica_memory_mb must be >= 0 (0: use replica_slots)");
   if (overlap_degree < -1) return fail("overlap_degree must be >= 0 (-1: from the measured attention time)");
   if (load_window < 1) return fail("load_window must be >= 1");
   if (!(link_gbs > 0) || !std::isfinite(link_gbs)) return fail("link_gbs must be > 0");
@@ -121,6 +123,7 @@ json TrainConfig::to_json() const {
               {"strategy", strategy},
               {"rematerialize", rematerialize},
               {"replica_slots", replica_slots},
+              {"replica_memory_mb", replica_memory_mb},
               {"overlap_degree", overlap_degree},
               {"load_window", load_window},
               {"link_gbs", link_gbs},
@@ -137,7 +140,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
                                 "stop_at_step", "threads", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
-                                "replica_slots", "overlap_degree", "load_window", "link_gbs", "gemm_gflops", "reshard_every",
+                                "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops", "reshard_every",
                                 "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
@@ -161,6 +164,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "allreduce_micro_kb", &c.allreduce_micro_kb)) && (s = read_key(j, "trace", &c.trace)) &&
       (s = read_key(j, "trace_steps", &c.trace_steps)) && (s = read_key(j, "strategy", &c.strategy)) &&
       (s = read_key(j, "rematerialize", &c.rematerialize)) && (s = read_key(j, "replica_slots", &c.replica_slots)) &&
+      (s = read_key(j, "replica_memory_mb", &c.replica_memory_mb)) &&
       (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
       (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops)) &&
       (s = read_key(j, "reshard_every", &c.reshard_every))) {

@@ -56,6 +56,8 @@ struct TrainConfig {
   bool rematerialize = false;     // hecate: free replicas after forward, gather them again for backward
   int64_t replica_slots = -1;     // hecate: extra experts a rank may hold per layer (-1: experts per rank);
                                   // flexmoe: its reserved slots per rank and layer (-1: 1)
+  double replica_memory_mb = 0;   // hecate: per-rank budget for one layer's replicas (weights + gradient
+                                  // buffers), MiB; > 0 sets the slots (Alg. 1's m) instead of replica_slots
   int64_t overlap_degree = -1;    // hecate: experts gathered behind attention (-1: from measured attention time)
   int64_t load_window = 5;        // hecate: steps of the sliding-window load prediction
   double link_gbs = 10;           // GB/s the planners' cost models assume for moving expert weights
