@@ -148,7 +148,10 @@ shape_all() {
 # ---- verbs ----
 do_check() {
   need_root
-  local probe="moeprobe$$"
+  local probe="moeprobe$$" mounted_before=0
+  # `ip netns add` bind-mounts /run/netns on itself the first time; undo that if the probe made it,
+  # so a check leaves nothing behind (a chroot's cleanup cannot remove a busy mount).
+  mountpoint -q /run/netns 2>/dev/null && mounted_before=1
   ip netns add "$probe" 2>/dev/null || die "cannot create a network namespace here (ip netns add failed: no CAP_SYS_ADMIN, or a container without netns support)"
   local ok=1 why=""
   if ! ip -n "$probe" link add v0 type veth peer name v1 2>/dev/null; then ok=0 why="cannot create veth pairs"
@@ -159,6 +162,7 @@ do_check() {
   local netem=no
   ip netns exec "$probe" tc qdisc add dev v1 root netem delay 1ms 2>/dev/null && netem=yes
   ip netns delete "$probe"
+  if ((!mounted_before)) && [[ -z $(ls -A /run/netns 2>/dev/null) ]]; then umount /run/netns 2>/dev/null || true; fi
   ((ok)) || die "$why"
   note "ok: root, network namespaces, veth, tc htb; netem (for --latency): $netem"
 }
