@@ -767,3 +767,53 @@ TEST(Checkpoint, PartsWrittenByOwnersJoinIntoTheWholeModel) {
   EXPECT_NE(bad.message().find("tensor w do not cover its 4 rows exactly once"), std::string::npos) << bad.message();
   fs::remove_all(dir);
 }
+
+// After re-sharding, a rank owns arbitrary experts: part 0 holds rows {3, 0} of w [4,2] in that order
+// (listed in its "rows" metadata), part 1 rows {1, 2}; part 0 also has none of a second sharded tensor
+// u (an empty shard writes no piece). They join into the whole tensors; listing a row twice is an error.
+TEST(Checkpoint, PartsWithListedRowsJoinByRowIndex) {
+  fs::path dir = temp_dir("listed");
+  auto make = [](const std::string& name, std::vector<int64_t> shape, std::vector<int64_t> rows, int64_t full,
+                 std::vector<float> values) {
+    auto p = std::make_unique<Param>(name, shape);
+    for (size_t i = 0; i < values.size(); ++i) p->value[i] = values[i];
+    p->shard_rows = std::move(rows);
+    p->full_dim0 = full;
+    return p;
+  };
+  auto w0 = make("w", {2, 2}, {3, 0}, 4, {6, 7, 0, 1});  // row 3 = {6, 7}, row 0 = {0, 1}
+  auto w1 = make("w", {2, 2}, {1, 2}, 4, {2, 3, 4, 5});
+  auto u0 = make("u", {0, 2}, {}, 2, {});
+  auto u1 = make("u", {2, 2}, {0, 1}, 2, {10, 11, 12, 13});
+  AdamW rank0({w0.get(), u0.get()}, AdamWConfig{}), rank1({w1.get(), u1.get()}, AdamWConfig{});
+  for (size_t j = 0; j < 4; ++j) rank0.m(0)[j] = 100.0f + static_cast<float>(j);
+  const std::string ck = (dir / "ck").string(), staging = checkpoint_staging_dir(ck, 43);
+  auto write = [&] {
+    ASSERT_TRUE(begin_checkpoint(ck, staging));
+    ASSERT_TRUE(write_checkpoint_part(staging, 0, 2, rank0, true, {{"step", 1}}));
+    ASSERT_TRUE(write_checkpoint_part(staging, 1, 2, rank1, false, {{"step", 1}}));
+    ASSERT_TRUE(finish_checkpoint(ck, staging, 2, rank0, {{"step", 1}}));
+  };
+  write();
+  std::map<std::string, LoadedTensor> whole;
+  ASSERT_TRUE(read_checkpoint_weights(ck, &whole));
+  ASSERT_EQ(whole.at("w").shape, (std::vector<int64_t>{4, 2}));
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(whole.at("w").data[i], static_cast<float>(i)) << i;
+  ASSERT_EQ(whole.at("u").shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(whole.at("u").data[3], 13.0f);
+  // Moments follow their rows: part 0's first moment of w was {100, 101} for row 3, {102, 103} for row 0.
+  Param w_full("w", {4, 2}), u_full("u", {2, 2});
+  AdamW full({&w_full, &u_full}, AdamWConfig{});
+  nlohmann::json state;
+  ASSERT_TRUE(load_checkpoint(ck, {&w_full, &u_full}, &full, &state));
+  EXPECT_EQ(full.m(0)[6], 100.0f);
+  EXPECT_EQ(full.m(0)[0], 102.0f);
+
+  w1->shard_rows = {1, 3};  // row 3 twice, row 2 never
+  write();
+  Status bad = read_checkpoint_weights(ck, &whole);
+  EXPECT_FALSE(bad);
+  EXPECT_NE(bad.message().find("tensor w do not cover its 4 rows exactly once (row 3)"), std::string::npos)
+      << bad.message();
+  fs::remove_all(dir);
+}
