@@ -16,10 +16,12 @@
 // checkpoint has n > 1 parts instead of the two files above: part p is
 //   <dir>/model-<p>-of-<n>.safetensors, <dir>/optimizer-<p>-of-<n>.safetensors
 // written by the rank that owns it. Part 0 also holds every replicated parameter. A sharded tensor's
-// rows [first, first + rows) are stored under its own name, and the file's metadata "rows" is a JSON
-// object {name: [first, full_rows]} for them: the parts' rows in part order, joined along the first
-// dimension (torch.cat(..., 0)), are the whole tensor. load_checkpoint joins them, so a checkpoint
-// loads whatever the rank count that wrote it.
+// rows are stored under its own name, and the file's metadata "rows" is a JSON object with, per such
+// tensor, [first, full_rows] (rows [first, first + rows): EP's consecutive shards) or {"full":
+// full_rows, "rows": [r0, r1, ...]} (the listed rows in that order: experts after a re-sharding,
+// Param::shard_rows; a part holding none of a tensor's rows omits it). Every row of the whole tensor
+// comes from exactly one part. load_checkpoint joins them, so a checkpoint loads whatever the rank
+// count and strategy that wrote it.
 #pragma once
 
 #include <map>
