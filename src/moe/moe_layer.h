@@ -110,7 +110,8 @@ class MoeLayer {
   // on every rank), so the mathematics is that of one process running the whole batch (DESIGN
   // invariant 1).
   // Parameters: with P > 1, w1, w2, w3 keep only this rank's experts (Param::sharded, rows
-  // [rank*E/P, ...) of the full tensors, sliced from the current values); the router stays whole.
+  // [rank*E/P, ...) of the full tensors, sliced from the current values; after reshard() the experts
+  // Param::shard_rows lists); the router stays whole.
   // Gradients: the router's is this rank's share (sum over batch ranks); an expert's is this
   // replica's share (sum over replicas; complete when there is one replica).
   // Collective failures throw std::runtime_error naming the rank and operation.
