@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <utility>
 #include <sstream>
 #include <stdexcept>
 
@@ -15,15 +17,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // A link's fair share during water-filling, ordered by share, then link id (ties broken by id, so the
 // order of fixing never depends on anything but the inputs).
-struct Share {
-  double share;
-  int link;
-};
-struct ShareAfter {
-  bool operator()(const Share& a, const Share& b) const {
-    return a.share > b.share || (a.share == b.share && a.link > b.link);
-  }
-};
+using Share = std::pair<double, int>;  // (share, link)
+using ShareAfter = std::greater<Share>;
 
 std::vector<double> bandwidths(const Cluster& cluster) {
   std::vector<double> v;
@@ -54,10 +49,7 @@ Network::Network(std::vector<double> bandwidth, std::vector<double> latency) {
     links_[l].bandwidth = bandwidth[l];
     links_[l].latency = latency[l];
   }
-  link_mark_.assign(links_.size(), 0);
-  cap_left_.assign(links_.size(), 0);
-  unfixed_.assign(links_.size(), 0);
-  unfixed_weight_.assign(links_.size(), 0.0);
+  scratch_.assign(links_.size(), LinkScratch{});
 }
 
 int Network::start_flow(std::vector<int> path, double bytes) {
@@ -83,9 +75,9 @@ int Network::start_flow(std::vector<int> path, double bytes, double alpha, doubl
   ++epoch_;
   for (int l : path) {
     if (l < 0 || l >= n_links()) throw std::logic_error(str_cat("sim::Network::start_flow: link ", l, " out of range"));
-    if (link_mark_[l] == epoch_)
+    if (scratch_[l].mark == epoch_)
       throw std::logic_error(str_cat("sim::Network::start_flow: link ", l, " twice in the path"));
-    link_mark_[l] = epoch_;
+    scratch_[l].mark = epoch_;
   }
   int id;
   if (!free_ids_.empty()) {
@@ -94,25 +86,29 @@ int Network::start_flow(std::vector<int> path, double bytes, double alpha, doubl
   } else {
     id = static_cast<int>(flows_.size());
     flows_.emplace_back();
-    flow_mark_.push_back(0);
-    flow_fixed_.push_back(0);
-    new_rate_.push_back(0);
+    hot_.emplace_back();
   }
   Flow& f = flows_[id];
-  f.path.clear();
-  for (int l : path) f.path.push_back({l, -1});
+  Hot& hot = hot_[id];
+  hot.n_hops = static_cast<int>(path.size());
+  f.long_path.clear();
+  if (hot.n_hops > kInlineHops) f.long_path.resize(path.size());
+  {
+    std::span<Hop> hops = this->path(id);
+    for (size_t i = 0; i < path.size(); ++i) hops[i] = {path[i], -1};
+  }
   f.bytes_left = bytes;
   f.updated = now_;
-  f.rate = 0;
-  f.weight = weight;
+  hot_[id].rate = 0;
+  hot_[id].weight = weight;
   f.transferring = false;
   f.live = true;
   ++live_count_;
-  if (alpha == 0 && bytes > 0 && !f.path.empty()) {
+  if (alpha == 0 && bytes > 0 && hot.n_hops > 0) {
     begin_transfer(id);
   } else {
     f.event_time = now_ + alpha;
-    events_.set(id, flows_);
+    events_.set(id, f.event_time);
   }
   return id;
 }
@@ -121,19 +117,20 @@ void Network::begin_transfer(int id) {
   Flow& f = flows_[id];
   f.transferring = true;
   f.updated = now_;
-  for (size_t i = 0; i < f.path.size(); ++i) {
-    auto& list = links_[f.path[i].link].flows;
-    f.path[i].slot = static_cast<int>(list.size());
+  std::span<Hop> hops = path(id);
+  for (size_t i = 0; i < hops.size(); ++i) {
+    auto& list = links_[hops[i].link].flows;
+    hops[i].slot = static_cast<int>(list.size());
     list.emplace_back(id, static_cast<int>(i));
   }
   // It gets a rate, and an end time in the event queue, at the next settle().
-  mark_dirty(f);
+  mark_dirty(id);
   started_since_settle_ = true;
 }
 
 double Network::next_event_time() {
   settle();
-  return events_.empty() ? kInf : flows_[events_.top()].event_time;
+  return events_.empty() ? kInf : events_.top_time();
 }
 
 std::vector<int> Network::advance(double t) {
@@ -144,23 +141,23 @@ std::vector<int> Network::advance(double t) {
   }
   now_ = t;
   std::vector<int> ended;  // popped in (time, id) order, and every popped time is t: ascending ids
-  while (!events_.empty() && flows_[events_.top()].event_time <= t) {
+  while (!events_.empty() && events_.top_time() <= t) {
     const int id = events_.top();
-    events_.pop(flows_);
+    events_.pop();
     Flow& f = flows_[id];
     if (f.transferring) {
-      for (const Hop& h : f.path) {
+      for (const Hop& h : path(id)) {
         // Swap-remove from the link's list; the flow moved into the hole learns its new slot.
         auto& list = links_[h.link].flows;
         const auto last = list.back();
         list[h.slot] = last;
-        flows_[last.first].path[last.second].slot = h.slot;
+        path(last.first)[last.second].slot = h.slot;
         list.pop_back();
       }
-      mark_dirty(f);
-      min_ended_level_ = std::min(min_ended_level_, f.rate / f.weight);
+      mark_dirty(id);
+      min_ended_level_ = std::min(min_ended_level_, hot_[id].rate / hot_[id].weight);
       ended.push_back(id);
-    } else if (f.bytes_left == 0 || f.path.empty()) {
+    } else if (f.bytes_left == 0 || hot_[id].n_hops == 0) {
       ended.push_back(id);
     } else {
       begin_transfer(id);  // its start latency is over
@@ -170,8 +167,9 @@ std::vector<int> Network::advance(double t) {
     Flow& f = flows_[id];
     f.live = false;
     f.transferring = false;
-    f.rate = 0;
-    f.path.clear();
+    hot_[id].rate = 0;
+    f.long_path.clear();
+    hot_[id].n_hops = 0;
     --live_count_;
   }
   // Freed last-first, so the smallest ended id is reused first.
@@ -186,7 +184,7 @@ void Network::check_flow(const char* fn, int flow) const {
 double Network::rate(int flow) {
   check_flow("rate", flow);
   settle();
-  return flows_[flow].rate;
+  return hot_[flow].rate;
 }
 
 double Network::link_bytes(int link) const {
@@ -199,8 +197,8 @@ double Network::link_load(int link) {
   return links_.at(link).load;
 }
 
-void Network::mark_dirty(const Flow& f) {
-  for (const Hop& h : f.path) {
+void Network::mark_dirty(int id) {
+  for (const Hop& h : path(id)) {
     LinkState& l = links_[h.link];
     if (!l.dirty) {
       l.dirty = true;
@@ -227,24 +225,50 @@ void Network::settle() {
   region_flows_.clear();
   for (int l : dirty_links_) {
     links_[l].dirty = false;
-    if (link_mark_[l] != epoch_) {
-      link_mark_[l] = epoch_;
+    if (scratch_[l].mark != epoch_) {
+      scratch_[l].mark = epoch_;
       region_links_.push_back(l);
     }
   }
   dirty_links_.clear();
+  // Water-filling (below) starts from what the frozen flows leave of each link; that is summed in
+  // the same pass, as a flow on a region link is in the region exactly when it is not below `floor`.
+  Hot* const hot = hot_.data();
+  const uint64_t epoch = epoch_;
+  std::vector<Share>& heap = share_heap_;  // (share, link): ties by link id
+  heap.clear();
   for (size_t i = 0; i < region_links_.size(); ++i) {
-    for (const auto& [f, hop] : links_[region_links_[i]].flows) {
-      if (flow_mark_[f] == epoch_ || flows_[f].rate / flows_[f].weight < floor) continue;
-      flow_mark_[f] = epoch_;
-      region_flows_.push_back(f);
-      for (const Hop& h : flows_[f].path) {
-        if (link_mark_[h.link] != epoch_) {
-          link_mark_[h.link] = epoch_;
-          region_links_.push_back(h.link);
+    const int l = region_links_[i];
+    double cap = links_[l].bandwidth;
+    double frozen_load = 0;
+    int unfixed = 0;
+    double unfixed_weight = 0;
+    for (const auto& [f, hop] : links_[l].flows) {
+      Hot& h = hot[f];
+      if (h.mark != epoch) {
+        if (floor > 0 && h.rate / h.weight < floor) {
+          cap -= h.rate;
+          frozen_load += h.rate;
+          continue;
+        }
+        h.mark = epoch;
+        region_flows_.push_back(f);
+        for (const Hop& hp : path(f)) {
+          if (scratch_[hp.link].mark != epoch) {
+            scratch_[hp.link].mark = epoch;
+            region_links_.push_back(hp.link);
+          }
         }
       }
+      ++unfixed;
+      unfixed_weight += h.weight;
     }
+    LinkScratch& ls = scratch_[l];
+    ls.cap_left = cap;
+    ls.new_load = frozen_load;
+    ls.unfixed = unfixed;
+    ls.unfixed_weight = unfixed_weight;
+    if (unfixed > 0) heap.push_back({std::max(0.0, cap / unfixed_weight), l});
   }
 
   // Water-filling over the region, on what the frozen flows leave of each link: repeatedly take the
@@ -254,127 +278,108 @@ void Network::settle() {
   // link whose share has grown since is pushed back with it, and a link is processed only when its key
   // is its share and the smallest (ties by link id). That takes each flow to its max-min rate with one
   // heap entry per link, not one per update.
-  std::vector<Share> heap;
-  heap.reserve(region_links_.size());
-  for (int l : region_links_) {
-    cap_left_[l] = links_[l].bandwidth;
-    unfixed_[l] = 0;
-    unfixed_weight_[l] = 0;
-    for (const auto& [f, hop] : links_[l].flows) {
-      if (flow_mark_[f] == epoch_) {
-        ++unfixed_[l];
-        unfixed_weight_[l] += flows_[f].weight;
-      } else {
-        cap_left_[l] -= flows_[f].rate;
-      }
-    }
-    if (unfixed_[l] > 0) heap.push_back({std::max(0.0, cap_left_[l] / unfixed_weight_[l]), l});
-  }
   std::make_heap(heap.begin(), heap.end(), ShareAfter());
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), ShareAfter());
-    const int l = heap.back().link;
-    const double key = heap.back().share;
+    const int l = heap.back().second;
+    const double key = heap.back().first;
     heap.pop_back();
-    if (unfixed_[l] == 0) continue;
-    const double share = std::max(0.0, cap_left_[l] / unfixed_weight_[l]);
+    if (scratch_[l].unfixed == 0) continue;
+    const double share = std::max(0.0, scratch_[l].cap_left / scratch_[l].unfixed_weight);
     if (share != key) {
       heap.push_back({share, l});
       std::push_heap(heap.begin(), heap.end(), ShareAfter());
       continue;
     }
     for (const auto& [f, hop] : links_[l].flows) {
-      if (flow_mark_[f] != epoch_ || flow_fixed_[f] == epoch_) continue;
-      flow_fixed_[f] = epoch_;
-      const double w = flows_[f].weight;
-      new_rate_[f] = w * share;
-      for (const Hop& h : flows_[f].path) {
-        cap_left_[h.link] -= w * share;
-        --unfixed_[h.link];
-        unfixed_weight_[h.link] -= w;
+      Hot& h = hot[f];
+      if (h.mark != epoch || h.fixed == epoch) continue;
+      h.fixed = epoch;
+      const double w = h.weight;
+      h.new_rate = w * share;
+      for (const Hop& hp : path(f)) {
+        LinkScratch& ls = scratch_[hp.link];
+        ls.cap_left -= w * share;
+        ls.new_load += w * share;
+        --ls.unfixed;
+        ls.unfixed_weight -= w;
       }
     }
   }
 
   // Apply: links account the bytes carried at their old load; flows whose rate changed account their
-  // progress at the old rate and get a new end time; links sum their flows' rates anew.
+  // progress at the old rate and get a new end time; links take their load from water-filling (their
+  // frozen flows' rates plus the rates fixed on them).
   for (int l : region_links_) {
     LinkState& link = links_[l];
     link.carried += link.load * (now_ - link.load_since);
     link.load_since = now_;
   }
   for (int id : region_flows_) {
+    Hot& h = hot[id];
+    const double r = h.new_rate;
+    if (r == h.rate) continue;
     Flow& f = flows_[id];
-    const double r = new_rate_[id];
-    if (r == f.rate) continue;
-    f.bytes_left = std::max(0.0, f.bytes_left - f.rate * (now_ - f.updated));
+    f.bytes_left = std::max(0.0, f.bytes_left - h.rate * (now_ - f.updated));
     f.updated = now_;
-    f.rate = r;
+    h.rate = r;
     f.event_time = r > 0 ? now_ + f.bytes_left / r : kInf;
-    events_.set(id, flows_);
+    events_.set(id, f.event_time);
   }
-  for (int l : region_links_) {
-    LinkState& link = links_[l];
-    link.load = 0;
-    for (const auto& [f, hop] : link.flows) link.load += flows_[f].rate;
-  }
+  for (int l : region_links_) links_[l].load = scratch_[l].new_load;
   rates_computed_ += region_flows_.size();
 }
 
-bool Network::EventQueue::less(int a, int b, const std::vector<Flow>& flows) const {
-  const double ta = flows[a].event_time, tb = flows[b].event_time;
-  return ta < tb || (ta == tb && a < b);
-}
-
-void Network::EventQueue::place(size_t i, int flow) {
-  heap_[i] = flow;
-  pos_[flow] = static_cast<int>(i);
-}
-
-void Network::EventQueue::up(size_t i, const std::vector<Flow>& flows) {
-  const int f = heap_[i];
+// A 4-ary heap: half the depth of a binary one, and a node's children share a cache line or two.
+void Network::EventQueue::up(size_t i, Entry e) {
   while (i > 0) {
-    const size_t parent = (i - 1) / 2;
-    if (!less(f, heap_[parent], flows)) break;
+    const size_t parent = (i - 1) / 4;
+    if (!less(e, heap_[parent])) break;
     place(i, heap_[parent]);
     i = parent;
   }
-  place(i, f);
+  place(i, e);
 }
 
-void Network::EventQueue::down(size_t i, const std::vector<Flow>& flows) {
-  const int f = heap_[i];
+void Network::EventQueue::down(size_t i, Entry e) {
   const size_t n = heap_.size();
   while (true) {
-    size_t child = 2 * i + 1;
-    if (child >= n) break;
-    if (child + 1 < n && less(heap_[child + 1], heap_[child], flows)) ++child;
-    if (!less(heap_[child], f, flows)) break;
+    const size_t first = 4 * i + 1;
+    if (first >= n) break;
+    size_t child = first;
+    const size_t end = std::min(first + 4, n);
+    for (size_t c = first + 1; c < end; ++c) {
+      if (less(heap_[c], heap_[child])) child = c;
+    }
+    if (!less(heap_[child], e)) break;
     place(i, heap_[child]);
     i = child;
   }
-  place(i, f);
+  place(i, e);
 }
 
-void Network::EventQueue::set(int flow, const std::vector<Flow>& flows) {
+void Network::EventQueue::set(int flow, double time) {
   if (flow >= static_cast<int>(pos_.size())) pos_.resize(flow + 1, -1);
+  const Entry e{time, flow};
   if (pos_[flow] < 0) {
-    heap_.push_back(flow);
-    pos_[flow] = static_cast<int>(heap_.size()) - 1;
-    up(heap_.size() - 1, flows);
+    heap_.push_back(e);
+    up(heap_.size() - 1, e);
   } else {
-    up(pos_[flow], flows);
-    down(pos_[flow], flows);
+    const size_t i = static_cast<size_t>(pos_[flow]);
+    if (i > 0 && less(e, heap_[(i - 1) / 4])) {
+      up(i, e);
+    } else {
+      down(i, e);
+    }
   }
 }
 
-void Network::EventQueue::pop(const std::vector<Flow>& flows) {
-  pos_[heap_.front()] = -1;
-  const int last = heap_.back();
+void Network::EventQueue::pop() {
+  pos_[heap_.front().flow] = -1;
+  const Entry last = heap_.back();
   heap_.pop_back();
   if (heap_.empty()) return;
-  place(0, last);
-  down(0, flows);
+  down(0, last);
 }
 
 }  // namespace moe::sim

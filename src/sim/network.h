@@ -25,6 +25,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "sim/cluster.h"
@@ -79,16 +81,31 @@ class Network {
     int link;
     int slot;  // this flow's index in the link's list while it transfers
   };
+  static constexpr int kInlineHops = 10;
   struct Flow {
-    std::vector<Hop> path;
+    std::vector<Hop> long_path;  // the path when it has more than kInlineHops links
     double bytes_left = 0;  // at `updated`
     double updated = 0;
-    double rate = 0;
-    double weight = 1;      // shares of a link's fair share (see start_flow)
     double event_time = 0;  // start of transfer while waiting, end while transferring
     bool transferring = false;
     bool live = false;
   };
+  // What settle() reads of a flow for every link it crosses, packed in one cache line's worth
+  // (by flow id): its rate, weight, and settle()'s scratch. Marks compare to `epoch_`.
+  // The path lives here too when it is short (most are), so settle() finds it in the same lines.
+  struct alignas(64) Hot {
+    double rate = 0;
+    double weight = 1;  // shares of a link's fair share (see start_flow)
+    double new_rate = 0;
+    uint64_t mark = 0;   // in settle()'s region
+    uint64_t fixed = 0;  // rate fixed by water-filling
+    int n_hops = 0;
+    Hop hops[kInlineHops];
+  };
+  std::span<Hop> path(int id) {
+    Hot& h = hot_[id];
+    return {h.n_hops > kInlineHops ? flows_[id].long_path.data() : h.hops, static_cast<size_t>(h.n_hops)};
+  }
   struct LinkState {
     double bandwidth = 0;
     double latency = 0;
@@ -99,33 +116,45 @@ class Network {
     bool dirty = false;
   };
 
-  // Min-heap of live flows by (event_time, id), indexed by flow id so an entry can move.
+  // Min-heap of live flows by (event_time, id), indexed by flow id so an entry can move. Entries carry
+  // their time, so comparisons read only the heap.
   class EventQueue {
    public:
     bool empty() const { return heap_.empty(); }
-    int top() const { return heap_.front(); }
-    void set(int flow, const std::vector<Flow>& flows);  // insert or move
-    void pop(const std::vector<Flow>& flows);
+    int top() const { return heap_.front().flow; }
+    double top_time() const { return heap_.front().time; }
+    void set(int flow, double time);  // insert or move
+    void pop();
 
    private:
-    bool less(int a, int b, const std::vector<Flow>& flows) const;
-    void up(size_t i, const std::vector<Flow>& flows);
-    void down(size_t i, const std::vector<Flow>& flows);
-    void place(size_t i, int flow);
-    std::vector<int> heap_;
+    struct Entry {
+      double time;
+      int flow;
+    };
+    static bool less(const Entry& a, const Entry& b) {
+      return a.time < b.time || (a.time == b.time && a.flow < b.flow);
+    }
+    void up(size_t i, Entry e);
+    void down(size_t i, Entry e);
+    void place(size_t i, const Entry& e) {
+      heap_[i] = e;
+      pos_[e.flow] = static_cast<int>(i);
+    }
+    std::vector<Entry> heap_;
     std::vector<int> pos_;  // by flow id; -1 when absent
   };
 
   void check_flow(const char* fn, int flow) const;
   // The flow joins its links' lists; its links become dirty.
   void begin_transfer(int id);
-  void mark_dirty(const Flow& f);
+  void mark_dirty(int id);
   // Recomputes the rates of the flows the changes since the last settle() can affect (max-min,
   // water-filling): see network.cpp.
   void settle();
 
   std::vector<LinkState> links_;
   std::vector<Flow> flows_;
+  std::vector<Hot> hot_;  // by flow id
   std::vector<int> free_ids_;  // ended flows' ids, reused last-freed first
   int live_count_ = 0;
   EventQueue events_;
@@ -135,12 +164,16 @@ class Network {
 
   // Scratch of settle(), kept to avoid allocating per event. Marks compare to `epoch_`.
   uint64_t epoch_ = 0;
-  std::vector<uint64_t> link_mark_, flow_mark_, flow_fixed_;
-  std::vector<double> cap_left_;
-  std::vector<int> unfixed_;           // flows not fixed yet, per link
-  std::vector<double> unfixed_weight_;  // and their weights
-  std::vector<double> new_rate_;
+  struct LinkScratch {
+    uint64_t mark = 0;     // in the region (or seen by start_flow's check)
+    double cap_left = 0;   // capacity not yet given to a flow
+    double unfixed_weight = 0;  // of its flows not fixed yet
+    double new_load = 0;   // the sum of the rates set on it
+    int unfixed = 0;       // its flows not fixed yet
+  };
+  std::vector<LinkScratch> scratch_;  // by link
   std::vector<int> region_links_, region_flows_;
+  std::vector<std::pair<double, int>> share_heap_;  // water-filling's heap: (share, link)
   // Since the last settle(): whether a flow started transferring, the smallest level of those that ended.
   bool started_since_settle_ = false;
   double min_ended_level_ = std::numeric_limits<double>::infinity();  // rate / weight
