@@ -304,6 +304,8 @@ Status MpiCommunicator::wait(const char* op, std::span<MPI_Request> reqs, Clock:
     orphans_.push_back(reqs[i]);
     reqs[i] = MPI_REQUEST_NULL;
   }
+  // A non-blocking collective cannot tell which member is late; in a group of two it is the other.
+  if (silent.empty() && recv_peer.empty() && size() == 2) silent = std::to_string(world_ranks()[1 - rank()]);
   std::string waiting = silent.empty() ? "" : "waiting for rank " + silent + "; ";
   return Status::error(where(op) + " did not complete within " + seconds_str(timeout()) + " (" + waiting +
                        "a peer rank died or stopped?)");
