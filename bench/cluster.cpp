@@ -58,12 +58,6 @@ std::string script() {
   return str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
 }
 
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, n) : "moe";
-}
-
 struct Result {
   int rc = -1;
   std::string out;
@@ -116,12 +110,6 @@ class BenchCluster {
  private:
   bool ok_ = false;
 };
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void check(const Status& st) {
   if (!st) comm::abort_job(st);

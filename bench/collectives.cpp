@@ -56,11 +56,6 @@ double time_calls(MPI_Comm raw, int iters, const std::function<void()>& call) {
   return t;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Exact in float and different for every (src, dst, i).
 float pattern(int src, int dst, int64_t i) {
   return static_cast<float>((uint64_t(src) * 7919 + uint64_t(dst) * 104729 + uint64_t(i) * 31) % 16777213ull);

@@ -46,18 +46,6 @@ struct Row {
   double step_ms = 0, compute_ms = 0, exposed_ms = 0, allreduce_ms = 0, hidden_ms = 0, rank_imbalance = 1;
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, n) : "moe";
-}
-
 // One `moe train` run; appends its steps to *out. False if it failed.
 bool run(int ranks, int threads, const std::string& extra, int steps, int warmup, Samples* out) {
   const std::string metrics = std::filesystem::temp_directory_path() / ("moe_bench_ep_" + std::to_string(getpid()) +

@@ -38,11 +38,6 @@
 namespace moe::bench {
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 ModelConfig gpt_moe_12() {
   ModelConfig m;
   m.seq_len = 1024;
@@ -59,12 +54,6 @@ ModelConfig gpt_moe_12() {
 double goal_ms(int gpus) {
   const double t = std::log(gpus / 32.0) / std::log(4096 / 32.0);
   return 50 * std::pow(5000 / 50.0, std::clamp(t, 0.0, 1.0));
-}
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, n) : "moe";
 }
 
 }  // namespace

@@ -61,11 +61,6 @@ double time_calls(MPI_Comm raw, int iters, const std::function<void()>& call) {
   return t;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int64_t sum_over_ranks(MPI_Comm raw, int64_t v) {
   MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT64_T, MPI_SUM, raw);
   return v;

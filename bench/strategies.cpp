@@ -37,18 +37,6 @@ struct Samples {
   std::vector<double> step, moe, expert_max, expert_mean, imbalance, sparse_mb, replicas;
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, n) : "moe";
-}
-
 bool run(int ranks, int threads, const std::string& extra, int steps, int warmup, Samples* out) {
   const std::string metrics =
       std::filesystem::temp_directory_path() / ("moe_bench_strategies_" + std::to_string(getpid()) + ".jsonl");
