@@ -125,11 +125,6 @@ void MoeLayer::backward(float* dx, const float* dy) {
 // Backward runs the same exchanges in reverse. Rows of one expert arrive ordered by source rank,
 // then by token: the global token order, as in the single-process layout.
 
-namespace {
-void check(const Status& s) {
-  if (!s) throw std::runtime_error(s.message());
-}
-}  // namespace
 
 void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch) {
   if (!batch) batch = ep;
@@ -219,8 +214,8 @@ void MoeLayer::ep_gate(const float* x, int64_t N) {
 
 void MoeLayer::ep_gate_sync() {
   const int64_t E = cfg_.n_experts, K = cfg_.top_k;
-  check(batch_->allgather(local_counts_.data(), K * E, all_counts_.data()));
-  check(batch_->allreduce(stats_.data(), E + 2));
+  throw_if_error(batch_->allgather(local_counts_.data(), K * E, all_counts_.data()));
+  throw_if_error(batch_->allreduce(stats_.data(), E + 2));
 }
 
 void MoeLayer::ep_dispatch() {
@@ -265,7 +260,7 @@ void MoeLayer::ep_dispatch_a2a() {
   if (placed_) return placed_dispatch_a2a();
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), El = E / P;
   // how many rows come from where: every rank's kept rows per expert, to the experts' owners
-  check(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
+  throw_if_error(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
   int64_t recv_rows = 0;
   for (int64_t r = 0; r < P; ++r) {
     int64_t from_r = 0;
@@ -275,7 +270,7 @@ void MoeLayer::ep_dispatch_a2a() {
     recv_rows += from_r;
   }
   expert_rows_ = recv_rows;
-  check(ep_->alltoallv(xp_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
+  throw_if_error(ep_->alltoallv(xp_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
 }
 
 void MoeLayer::ep_experts() {
@@ -308,7 +303,7 @@ void MoeLayer::ep_experts() {
 
 void MoeLayer::ep_combine_a2a() {
   if (placed_) return placed_combine_a2a();
-  check(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
+  throw_if_error(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
 }
 
 void MoeLayer::ep_combine(float* y) { combine_forward(y, row_weight_.data(), outp_.data(), routing_, cfg_.d_model); }
@@ -320,7 +315,7 @@ void MoeLayer::ep_combine_bwd(const float* dy) {
 
 void MoeLayer::ep_combine_a2a_bwd() {
   if (placed_) return placed_combine_a2a_bwd();
-  check(ep_->alltoallv(dout_p_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
+  throw_if_error(ep_->alltoallv(dout_p_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
 }
 
 void MoeLayer::ep_experts_bwd() {
@@ -338,7 +333,7 @@ void MoeLayer::ep_experts_bwd() {
 
 void MoeLayer::ep_dispatch_a2a_bwd() {
   if (placed_) return placed_dispatch_a2a_bwd();
-  check(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, dxp_.data(), send_counts_, send_displs_));
+  throw_if_error(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, dxp_.data(), send_counts_, send_displs_));
 }
 
 void MoeLayer::ep_gate_bwd(float* dx) {

@@ -31,9 +31,6 @@
 namespace moe {
 
 namespace {
-void check(const Status& s) {
-  if (!s) throw std::runtime_error(s.message());
-}
 
 // The placement of W*E chunks where chunk w*E + e is held like expert e.
 comm::Placement chunk_placement(const std::vector<std::vector<int>>& replicas, int W) {
@@ -161,7 +158,7 @@ void MoeLayer::ep_materialize() {
   const comm::SparsePlan plan = comm::plan_sparse_allgather(chunk_placement(held_.replicas, W),
                                                             chunk_placement(placement_.replicas, W), R);
   const std::vector<float*> chunks = chunk_pointers(false);
-  check(comm::sparse_allgather(*gather_, plan, chunks, FC));
+  throw_if_error(comm::sparse_allgather(*gather_, plan, chunks, FC));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
@@ -179,7 +176,7 @@ void MoeLayer::ep_reduce_replica_grads() {
   const comm::SparsePlan plan = comm::plan_sparse_reduce_scatter(chunk_placement(held_.replicas, W),
                                                                  chunk_placement(owners_.replicas, W), R);
   const std::vector<float*> chunks = chunk_pointers(true);
-  check(comm::sparse_reduce_scatter(*gather_, plan, chunks, FC, &reduce_scratch_));
+  throw_if_error(comm::sparse_reduce_scatter(*gather_, plan, chunks, FC, &reduce_scratch_));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
@@ -255,7 +252,7 @@ int MoeLayer::reshard(const std::vector<int>& new_owner, const std::vector<std::
       chunks.push_back(p);
     }
   const comm::SparsePlan plan = comm::plan_sparse_allgather(before, after, R);
-  check(comm::sparse_allgather(*gather_, plan, chunks, FC));
+  throw_if_error(comm::sparse_allgather(*gather_, plan, chunks, FC));
   int moved = 0;
   for (int64_t e = 0; e < E; ++e) moved += owners_.owner[e] != new_owner[e] ? 1 : 0;
   for (size_t k = 0; k < old_t.size(); ++k) *old_t[k] = std::move(new_t[k]);
@@ -335,7 +332,7 @@ void MoeLayer::placed_dispatch() {
 }
 
 void MoeLayer::placed_dispatch_a2a() {
-  check(ep_->alltoallv(xs_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
+  throw_if_error(ep_->alltoallv(xs_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
 }
 
 void MoeLayer::placed_experts() {
@@ -376,13 +373,13 @@ void MoeLayer::placed_experts() {
 }
 
 void MoeLayer::placed_combine_a2a() {
-  check(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, xs_.data(), send_counts_, send_displs_));
+  throw_if_error(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, xs_.data(), send_counts_, send_displs_));
   gather_rows(outp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), cfg_.d_model);
 }
 
 void MoeLayer::placed_combine_a2a_bwd() {
   gather_rows(xs_.data(), dout_p_.data(), send_perm_.data(), routing_.rows(), cfg_.d_model);
-  check(ep_->alltoallv(xs_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
+  throw_if_error(ep_->alltoallv(xs_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
 }
 
 void MoeLayer::placed_experts_bwd() {
@@ -403,7 +400,7 @@ void MoeLayer::placed_experts_bwd() {
 }
 
 void MoeLayer::placed_dispatch_a2a_bwd() {
-  check(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, xs_.data(), send_counts_, send_displs_));
+  throw_if_error(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, xs_.data(), send_counts_, send_displs_));
   gather_rows(dxp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), cfg_.d_model);
 }
 

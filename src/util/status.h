@@ -2,6 +2,7 @@
 // Programming errors (violated REQUIRES) throw std::logic_error instead.
 #pragma once
 
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -21,5 +22,11 @@ class Status {
   explicit Status(std::string m) : message_(m.empty() ? "unknown error" : std::move(m)) {}
   std::string message_;
 };
+
+// For code whose contract is to throw (e.g. the MoE layer's exchanges, which the runtime's executor
+// turns back into a Status): throws std::runtime_error with the message when s is an error.
+inline void throw_if_error(const Status& s) {
+  if (!s) throw std::runtime_error(s.message());
+}
 
 }  // namespace moe
