@@ -60,6 +60,12 @@ int64_t Strategy::expert_bytes() const {
   return mats * cfg_.model.d_model * cfg_.model.d_ffn * static_cast<int64_t>(sizeof(float));
 }
 
+double Strategy::expert_seconds_per_token() const {
+  // One token through one expert, forward and backward (3 GEMM passes), at the assumed GEMM rate.
+  const double mats = cfg_.model.activation == "swiglu" ? 3 : 2;
+  return 3 * 2 * mats * static_cast<double>(cfg_.model.d_model * cfg_.model.d_ffn) / (cfg_.gemm_gflops * 1e9);
+}
+
 void Strategy::before_step(Model& model, int overlap_degree) {
   if (cfg_.strategy == "flexmoe") {
     int i = 0;
@@ -92,10 +98,7 @@ void Strategy::before_step(Model& model, int overlap_degree) {
 Status Strategy::place(Model& model, int64_t layer) {
   MoeLayer* moe = model.moe_layer(layer);
   if (!moe || !moe->placements_enabled()) return Status::ok();
-  // One token through one expert, forward and backward (3 GEMM passes), at the assumed GEMM rate.
-  const double mats = cfg_.model.activation == "swiglu" ? 3 : 2;
-  const double expert_seconds_per_token =
-      3 * 2 * mats * static_cast<double>(cfg_.model.d_model * cfg_.model.d_ffn) / (cfg_.gemm_gflops * 1e9);
+  const double expert_seconds_per_token = this->expert_seconds_per_token();
   if (cfg_.strategy == "hecate") {
     const plan::LayerPlacement& in_force = moe->placement();
     const plan::CalibrationModel cm{expert_seconds_per_token, cfg_.link_gbs * 1e9, expert_bytes()};
@@ -159,9 +162,7 @@ int Strategy::flexmoe_replan(Model& model, AdamW& opt) {
   plan::FlexMoeConfig fc;
   fc.reserved_slots = cfg_.replica_slots >= 0 ? static_cast<int>(cfg_.replica_slots) : 1;
   fc.replan_interval = cfg_.reshard_every > 0 ? static_cast<int>(cfg_.reshard_every) : 50;
-  const double mats = cfg_.model.activation == "swiglu" ? 3 : 2;
-  fc.expert_seconds_per_token =
-      3 * 2 * mats * static_cast<double>(cfg_.model.d_model * cfg_.model.d_ffn) / (cfg_.gemm_gflops * 1e9);
+  fc.expert_seconds_per_token = expert_seconds_per_token();
   fc.expert_state_bytes = 3 * expert_bytes();  // weights + Adam's two moments
   fc.bandwidth = cfg_.link_gbs * 1e9;
   int moved = 0, i = 0;

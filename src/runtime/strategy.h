@@ -80,6 +80,8 @@ class Strategy {
   int replica_slots(int64_t n_experts, int world) const;
   // Bytes of one expert's weights (the chunk the sparse collectives move).
   int64_t expert_bytes() const;
+  // The cost models' seconds for one token through one expert, forward and backward.
+  double expert_seconds_per_token() const;
 
  private:
   int reshard_layer(MoeLayer& moe, AdamW& opt, const std::vector<int>& owner);
