@@ -65,4 +65,9 @@ int sim_fidelity(const BenchOptions& opt);
 // hecate-rm: step time, MoE-layer time, speedup over EP, next to the paper's speedups. Returns the exit code.
 int sim_strategies(const BenchOptions& opt);
 
+// The GPU kernels on this machine's first GPU (bench/cuda/cuda_bench.cpp, CUDA builds only): dense
+// bf16 GEMM rate, grouped expert GEMM vs a dense GEMM of the same FLOPs, the MoE layer forward+backward,
+// each beside the simulator's H100 prediction. Exits 1 without a GPU.
+int cuda_kernels(const BenchOptions& opt);
+
 }  // namespace moe::bench

@@ -1,0 +1,217 @@
+// moe bench cuda: the GPU kernels' speed on this machine's first GPU, each against a reference measured
+// in the same run, and the simulator's H100 preset prediction beside every measurement.
+//
+// Rows (bf16 storage, f32 accumulation; median of --repeats timings of `iters` back-to-back calls,
+// timed with CUDA events on the context's stream):
+//   dense GEMM        [M,K] x [K,N] for a square 8192 shape and for each expert shape's merged
+//                     product: the reference rate
+//   grouped GEMM      the experts' first GEMM (rows x C -> F per expert) over expert-contiguous rows,
+//                     balanced and Zipf(1.0)-skewed: one cublasGemmGroupedBatchedEx call, and the
+//                     same products one cublasGemmEx per expert (looped); "vs dense" = grouped
+//                     TFLOP/s / the dense TFLOP/s of one GEMM with the same total rows (same FLOPs)
+//   MoE layer         cuda::MoeLayer forward + backward (router, permute, grouped GEMMs, GELU,
+//                     combine); "vs dense" = its time / the time the dense rate gives its FLOPs
+//                     (goal <= 1.3); tokens/s
+//   sim               sim::op_time on the h100x8-hgx preset's device (presets.cpp: the H100 SXM
+//                     datasheet) for the same FLOPs and bytes; error = predicted / measured - 1
+// Goals (issue 6): grouped >= 70% of the dense rate; MoE layer <= 1.3x dense; sim within 10%.
+// Without a GPU it says so and exits 1.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench.h"
+#include "cuda/device.h"
+#include "cuda/moe_layer.h"
+#include "cuda/ops.h"
+#include "sim/compute.h"
+#include "sim/simulate.h"
+
+namespace moe::bench {
+
+namespace {
+
+using cuda::Context;
+using cuda::DeviceBuffer;
+using cuda::DType;
+
+// Fills `bytes` of device memory with small random bf16 values: one random block uploaded, then
+// copied over the rest (the values only need to be finite and not denormal).
+Status fill_random_bf16(Context& ctx, void* dst, size_t bytes, uint32_t seed) {
+  const size_t block_elems = size_t{1} << 20;
+  std::vector<float> host(block_elems);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-0.05f, 0.05f);
+  for (float& x : host) x = u(rng);
+  DeviceBuffer f32, block;
+  if (Status s = f32.allocate(block_elems * 4); !s) return s;
+  if (Status s = block.allocate(block_elems * 2); !s) return s;
+  if (Status s = cuda::copy_to_device(ctx, f32.get(), host.data(), block_elems * 4); !s) return s;
+  if (Status s = cuda::cast_f32_to(ctx, DType::bf16, block.get(), f32.as<float>(), block_elems); !s) return s;
+  for (size_t off = 0; off < bytes; off += block_elems * 2)
+    MOE_CUDA_TRY(cudaMemcpyAsync(static_cast<char*>(dst) + off, block.get(), std::min(block_elems * 2, bytes - off),
+                                 cudaMemcpyDeviceToDevice, ctx.stream()),
+                 "bench fill");
+  return ctx.synchronize();
+}
+
+// Median over `repeats` of the mean time of `iters` calls of f, in seconds.
+Status time_it(Context& ctx, int repeats, int iters, const std::function<Status()>& f, double* seconds) {
+  cudaEvent_t start, stop;
+  MOE_CUDA_TRY(cudaEventCreate(&start), "cudaEventCreate");
+  MOE_CUDA_TRY(cudaEventCreate(&stop), "cudaEventCreate");
+  if (Status s = f(); !s) return s;  // warm-up (cuBLAS heuristics, lazy module loading)
+  std::vector<double> t;
+  for (int r = 0; r < repeats; ++r) {
+    MOE_CUDA_TRY(cudaEventRecord(start, ctx.stream()), "cudaEventRecord");
+    for (int i = 0; i < iters; ++i)
+      if (Status s = f(); !s) return s;
+    MOE_CUDA_TRY(cudaEventRecord(stop, ctx.stream()), "cudaEventRecord");
+    MOE_CUDA_TRY(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    MOE_CUDA_TRY(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    t.push_back(ms * 1e-3 / iters);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  *seconds = median(t);
+  return Status::ok();
+}
+
+// Expert-contiguous offsets of `rows` rows over E experts: equal, or Zipf(1.0) by expert rank.
+std::vector<int64_t> expert_offsets(int64_t rows, int64_t E, bool skewed) {
+  std::vector<double> share(E, 1.0);
+  if (skewed)
+    for (int64_t e = 0; e < E; ++e) share[e] = 1.0 / static_cast<double>(e + 1);
+  double total = 0;
+  for (double s : share) total += s;
+  std::vector<int64_t> off(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + static_cast<int64_t>(std::floor(rows * share[e] / total));
+  off[E] = rows;  // the remainder goes to the last expert
+  return off;
+}
+
+struct ExpertShape {
+  const char* name;
+  int64_t tokens, C, F, E, K;
+};
+
+double tflops(double flops, double s) { return flops / s / 1e12; }
+
+}  // namespace
+
+int cuda_kernels(const BenchOptions& opt) {
+  if (cuda::device_count() == 0) {
+    std::fprintf(stderr, "bench cuda: %s\n", cuda::device_summary().c_str());
+    return 1;
+  }
+  std::unique_ptr<Context> ctx;
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "bench cuda: %s\n", s.message().c_str());
+    return 1;
+  };
+  if (Status s = Context::create(0, &ctx); !s) return fail(s);
+  sim::SimRunConfig cfg;
+  if (Status s = sim::preset_cluster("h100x8-hgx", 1, &cfg.cluster); !s) return fail(s);
+  const sim::DeviceSpec& h100 = cfg.cluster.node.device;
+  const int repeats = std::max(3, opt.repeats);
+  std::printf("moe bench cuda: %s; bf16 storage, f32 accumulation; median of %d timings\n", cuda::device_summary().c_str(),
+              repeats);
+  std::printf("sim: %s preset device (%.1f TFLOP/s peak, %.2f TB/s)\n\n", h100.name.c_str(), h100.peak_flops / 1e12,
+              h100.mem_bandwidth / 1e12);
+  std::printf("%-44s %10s %10s %10s %10s %8s\n", "op", "ms", "TFLOP/s", "vs dense", "sim ms", "sim err");
+  auto row = [&](const std::string& name, double flops, double bytes, double s, double vs_dense) {
+    const double sim_s = sim::op_time(h100, flops, bytes);
+    char vs[16] = "-";
+    if (vs_dense > 0) std::snprintf(vs, sizeof vs, "%.2f", vs_dense);
+    std::printf("%-44s %10.3f %10.1f %10s %10.3f %+7.1f%%\n", name.c_str(), s * 1e3, tflops(flops, s), vs, sim_s * 1e3,
+                100 * (sim_s / s - 1));
+    std::fflush(stdout);
+  };
+
+  // Dense GEMM of [M,K] x [K,N] in bf16; returns its seconds per call.
+  auto dense = [&](int64_t M, int64_t N, int64_t K, double* seconds) -> Status {
+    DeviceBuffer a, b, c;
+    if (Status s = a.allocate(M * K * 2); !s) return s;
+    if (Status s = b.allocate(K * N * 2); !s) return s;
+    if (Status s = c.allocate(M * N * 2); !s) return s;
+    if (Status s = fill_random_bf16(*ctx, a.get(), a.bytes(), 1); !s) return s;
+    if (Status s = fill_random_bf16(*ctx, b.get(), b.bytes(), 2); !s) return s;
+    return time_it(*ctx, repeats, 10, [&] {
+      return cuda::gemm(*ctx, DType::bf16, false, false, M, N, K, 1.0f, a.get(), K, b.get(), N, 0.0f, c.get(), N);
+    }, seconds);
+  };
+  double square_s = 0;
+  const int64_t S = 8192;
+  if (Status s = dense(S, S, S, &square_s); !s) return fail(s);
+  row("dense GEMM 8192^3", 2.0 * S * S * S, 3.0 * S * S * 2, square_s, 0);
+
+  const ExpertShape shapes[] = {{"GPT-MoE C2048 F8192 E16 top-2", 8192, 2048, 8192, 16, 2},
+                                {"fine-grained C2048 F1408 E64 top-6", 8192, 2048, 1408, 64, 6}};
+  for (const ExpertShape& sh : shapes) {
+    const int64_t R = sh.tokens * sh.K;
+    double merged_s = 0;
+    if (Status s = dense(R, sh.F, sh.C, &merged_s); !s) return fail(s);
+    const double flops = 2.0 * R * sh.C * sh.F;
+    const double bytes = 2.0 * (R * sh.C + sh.E * sh.C * sh.F + R * sh.F);
+    std::printf("\n%s: %lld tokens -> %lld rows\n", sh.name, (long long)sh.tokens, (long long)R);
+    row("  dense GEMM, same FLOPs (rows x C -> F)", flops, 2.0 * (R * sh.C + sh.C * sh.F + R * sh.F), merged_s, 1.0);
+    DeviceBuffer x, w, y;
+    if (Status s = x.allocate(R * sh.C * 2); !s) return fail(s);
+    if (Status s = w.allocate(sh.E * sh.F * sh.C * 2); !s) return fail(s);
+    if (Status s = y.allocate(R * sh.F * 2); !s) return fail(s);
+    if (Status s = fill_random_bf16(*ctx, x.get(), x.bytes(), 3); !s) return fail(s);
+    if (Status s = fill_random_bf16(*ctx, w.get(), w.bytes(), 4); !s) return fail(s);
+    for (bool skewed : {false, true}) {
+      const std::vector<int64_t> off = expert_offsets(R, sh.E, skewed);
+      for (bool looped : {false, true}) {
+        double t = 0;
+        Status st = time_it(*ctx, repeats, 10, [&] {
+          return looped ? cuda::grouped_gemm_looped(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(), sh.E,
+                                                    sh.C, sh.F, 1.0f, 0.0f)
+                        : cuda::grouped_gemm(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(), sh.E, sh.C,
+                                             sh.F, 1.0f, 0.0f);
+        }, &t);
+        if (!st) return fail(st);
+        row(std::string("  ") + (looped ? "looped" : "grouped") + " GEMM, " + (skewed ? "zipf 1.0" : "balanced"), flops,
+            bytes, t, merged_s / t);
+      }
+    }
+    // The whole layer, forward + backward.
+    std::unique_ptr<cuda::MoeLayer> layer;
+    if (Status s = cuda::MoeLayer::create(*ctx, DType::bf16, {sh.C, sh.F, sh.E, sh.K, true}, sh.tokens, &layer); !s)
+      return fail(s);
+    if (Status s = fill_random_bf16(*ctx, layer->wg(), sh.E * sh.C * 2, 5); !s) return fail(s);
+    if (Status s = fill_random_bf16(*ctx, layer->w1(), sh.E * sh.F * sh.C * 2, 6); !s) return fail(s);
+    if (Status s = fill_random_bf16(*ctx, layer->w2(), sh.E * sh.C * sh.F * 2, 7); !s) return fail(s);
+    DeviceBuffer lx, ly, ldx;
+    if (Status s = lx.allocate(sh.tokens * sh.C * 2); !s) return fail(s);
+    if (Status s = ly.allocate(sh.tokens * sh.C * 2); !s) return fail(s);
+    if (Status s = ldx.allocate(sh.tokens * sh.C * 2); !s) return fail(s);
+    if (Status s = fill_random_bf16(*ctx, lx.get(), lx.bytes(), 8); !s) return fail(s);
+    double layer_s = 0;
+    Status st = time_it(*ctx, repeats, 3, [&] {
+      if (Status s = layer->forward(ly.get(), lx.get(), sh.tokens); !s) return s;
+      return layer->backward(ldx.get(), ly.get());
+    }, &layer_s);
+    if (!st) return fail(st);
+    const double layer_flops = layer->flops_forward_backward();
+    const double dense_equiv_s = layer_flops / (flops / merged_s);
+    const double layer_bytes = 3.0 * 2.0 * (sh.tokens * sh.C * 4 + 3.0 * R * sh.C + 3.0 * R * sh.F + 2.0 * sh.E * sh.C * sh.F);
+    row("  MoE layer forward+backward", layer_flops, layer_bytes, layer_s, layer_s / dense_equiv_s);
+    std::printf("  MoE layer: %.0f tokens/s forward+backward; vs dense = time / (its FLOPs at the dense rate above)\n",
+                sh.tokens / layer_s);
+  }
+  std::printf("\nvs dense: GEMM rows = grouped TFLOP/s over the same-FLOPs dense GEMM's (goal >= 0.70); MoE layer row =\n"
+              "its time over the dense time for its FLOPs (goal <= 1.30). sim err = sim::op_time / measured - 1.\n");
+  return 0;
+}
+
+}  // namespace moe::bench

@@ -1,0 +1,140 @@
+// Device discovery, device memory and the per-device context (device.h).
+#include "cuda/device.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <cstdio>
+#include <utility>
+
+#include "util/str_cat.h"
+
+namespace moe::cuda {
+
+namespace {
+
+// cuBLAS's own workspace: 32 MiB is what NVIDIA recommends for Hopper (cuBLAS docs,
+// cublasSetWorkspace); smaller makes some GEMM kernels unavailable.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+Status cublas_status(cublasStatus_t st, const char* what) {
+  if (st == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  return Status::error(str_cat(what, ": ", cublasGetStatusName(st), " (", cublasGetStatusString(st), ")"));
+}
+
+std::string gib(size_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f GiB", static_cast<double>(bytes) / (1u << 30));
+  return b;
+}
+
+}  // namespace
+
+size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+const char* dtype_name(DType t) { return t == DType::f32 ? "f32" : "bf16"; }
+
+Status cuda_status(cudaError_t err, const std::string& what) {
+  if (err == cudaSuccess) return Status::ok();
+  return Status::error(str_cat(what, ": ", cudaGetErrorString(err)));
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no driver" error so later calls are not confused
+    return 0;
+  }
+  return n;
+}
+
+std::string device_summary(int device) {
+  int n = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return str_cat("no CUDA device: ", cudaGetErrorString(e));
+  }
+  if (device < 0 || device >= n) return str_cat("no CUDA device ", device, " (", n, " present)");
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, device) != cudaSuccess) return "CUDA device properties unavailable";
+  int driver = 0;
+  cudaDriverGetVersion(&driver);
+  return str_cat(p.name, ", sm_", p.major, p.minor, ", ", gib(p.totalGlobalMem), ", ", p.multiProcessorCount,
+                 " SMs, driver ", driver / 1000, ".", (driver % 1000) / 10);
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+Status DeviceBuffer::allocate(size_t bytes) {
+  if (ptr_) cudaFree(ptr_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+  if (bytes == 0) return Status::ok();
+  MOE_CUDA_TRY(cudaMalloc(&ptr_, bytes), str_cat("cudaMalloc(", gib(bytes), ")"));
+  bytes_ = bytes;
+  return Status::ok();
+}
+
+Status Context::create(int device, std::unique_ptr<Context>* out) {
+  const int n = device_count();
+  if (device < 0 || device >= n)
+    return Status::error(str_cat("cuda: cannot use device ", device, ": ", device_summary(device)));
+  std::unique_ptr<Context> ctx(new Context());
+  ctx->device_ = device;
+  MOE_CUDA_TRY(cudaSetDevice(device), str_cat("cudaSetDevice(", device, ")"));
+  MOE_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  if (Status s = cublas_status(cublasCreate(&ctx->cublas_), "cublasCreate"); !s) return s;
+  if (Status s = cublas_status(cublasLtCreate(&ctx->cublas_lt_), "cublasLtCreate"); !s) return s;
+  if (Status s = ctx->workspace_.allocate(kCublasWorkspaceBytes); !s) return s;
+  if (Status s = cublas_status(cublasSetStream(ctx->cublas_, ctx->stream_), "cublasSetStream"); !s) return s;
+  if (Status s = cublas_status(cublasSetWorkspace(ctx->cublas_, ctx->workspace_.get(), ctx->workspace_.bytes()),
+                               "cublasSetWorkspace");
+      !s)
+    return s;
+  *out = std::move(ctx);
+  return Status::ok();
+}
+
+Context::~Context() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (cublas_lt_) cublasLtDestroy(cublas_lt_);
+  if (cublas_) cublasDestroy(cublas_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+Status Context::synchronize() {
+  MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream (an earlier kernel or copy failed)");
+  return Status::ok();
+}
+
+Status Context::pointer_scratch(size_t bytes, void** out) {
+  if (pointers_.bytes() < bytes) {
+    // The old scratch may still be read by queued GEMMs: let them finish before freeing it.
+    MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");
+    if (Status s = pointers_.allocate(bytes); !s) return s;
+  }
+  *out = pointers_.get();
+  return Status::ok();
+}
+
+Status copy_to_device(Context& ctx, void* dst, const void* src, size_t bytes) {
+  MOE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx.stream()), "copy to device");
+  return ctx.synchronize();
+}
+
+Status copy_to_host(Context& ctx, void* dst, const void* src, size_t bytes) {
+  MOE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx.stream()), "copy to host");
+  return ctx.synchronize();
+}
+
+}  // namespace moe::cuda
