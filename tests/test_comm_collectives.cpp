@@ -1,4 +1,4 @@
-// mpirun-ranks: 2 4
+// mpirun-ranks: 2 3 4
 // Collectives on exact, predictable data (nccl-tests style): every element a rank sends is a
 // function of (source rank, destination rank, index), so every received element (and every
 // element of padding that must stay untouched) is checked exactly and the wrong ones counted.
@@ -20,64 +20,13 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/topology.h"
+#include "mpi_test_env.h"
 
 namespace moe::comm {
 namespace {
 
-std::unique_ptr<MpiSession> g_session;
-std::unique_ptr<Communicator> g_world;
-std::vector<Groups> g_groups;             // make_groups for every EP size that divides the world
-std::vector<Communicator*> g_all_groups;  // world, then each ep and dp group this rank is in
-
-// On ranks other than 0, print only failures, each line naming the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
-
-class MpiEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    Status st = MpiSession::start(&g_session);
-    if (!st) abort_job(st);
-    // Short enough that a mismatched collective fails the test quickly instead of hanging it.
-    st = g_session->world(&g_world, std::chrono::seconds(20));
-    if (!st) abort_job(st);
-    if (g_world->rank() != 0) {
-      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new RankFailurePrinter(g_world->rank()));
-    }
-    g_all_groups.push_back(g_world.get());
-    const int P = g_world->size();
-    for (int ep : {1, 2, P}) {
-      if (P % ep != 0) continue;
-      bool seen = false;
-      for (const Groups& g : g_groups) seen |= g.ep_size == ep;
-      if (seen) continue;
-      Groups groups;
-      st = make_groups(*g_world, ep, &groups);
-      if (!st) abort_job(st);
-      g_groups.push_back(std::move(groups));
-    }
-    for (Groups& g : g_groups) g_all_groups.push_back(g.ep.get()), g_all_groups.push_back(g.dp.get());
-  }
-  void TearDown() override {
-    g_all_groups.clear();
-    g_groups.clear();
-    g_world.reset();
-    g_session.reset();  // MPI_Finalize: mpirun counts a rank that exits without it as failed
-  }
-};
-const ::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+const ::testing::Environment* const g_env =
+    ::testing::AddGlobalTestEnvironment(new MpiTestEnvironment({1, 2, kWorldSize}));
 
 Communicator& world() { return *g_world; }
 

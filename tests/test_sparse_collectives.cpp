@@ -25,60 +25,13 @@
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/sparse_collectives.h"
+#include "mpi_test_env.h"
 #include "util/str_cat.h"
 
 namespace moe::comm {
 namespace {
 
-std::unique_ptr<MpiSession> g_session;
-std::unique_ptr<Communicator> g_world;
-std::vector<Groups> g_groups;
-std::vector<Communicator*> g_all_groups;  // world, then each ep and dp group this rank is in
-
-// On ranks other than 0, print only failures, each line naming the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
-
-class MpiEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    Status st = MpiSession::start(&g_session);
-    if (!st) abort_job(st);
-    // Short enough that a mismatched collective fails the test quickly instead of hanging it.
-    st = g_session->world(&g_world, std::chrono::seconds(20));
-    if (!st) abort_job(st);
-    if (g_world->rank() != 0) {
-      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new RankFailurePrinter(g_world->rank()));
-    }
-    g_all_groups.push_back(g_world.get());
-    if (g_world->size() % 2 == 0) {
-      Groups groups;
-      st = make_groups(*g_world, 2, &groups);
-      if (!st) abort_job(st);
-      g_groups.push_back(std::move(groups));
-    }
-    for (Groups& g : g_groups) g_all_groups.push_back(g.ep.get()), g_all_groups.push_back(g.dp.get());
-  }
-  void TearDown() override {
-    g_all_groups.clear();
-    g_groups.clear();
-    g_world.reset();
-    g_session.reset();
-  }
-};
-const ::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+const ::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new MpiTestEnvironment({2}));
 
 Communicator& world() { return *g_world; }
 

@@ -16,9 +16,11 @@ namespace {
 
 bool g_session_alive = false;
 
-// Small allreduces in power-of-two groups use recursive doubling (log2 P steps of the whole
-// buffer: fewest latencies); larger ones recursive halving + doubling (2 log2 P steps, least data),
-// other group sizes the ring (2 (P-1) steps, least data). See moe bench collectives.
+// Small allreduces use recursive doubling (log2 P steps of the whole buffer: fewest latencies; in
+// other group sizes than powers of two, the ranks beyond the largest power of two first fold into a
+// partner and get the result back: 2 steps more); larger ones recursive halving + doubling in
+// power-of-two groups (2 log2 P steps, least data), the ring in others (2 (P-1) steps, least data).
+// See moe bench collectives.
 constexpr size_t kRecursiveDoublingMaxBytes = 64 * 1024;
 constexpr int kInternalTag = 7;
 
@@ -508,16 +510,35 @@ Status MpiCommunicator::do_allreduce(void* data, int64_t count, DType t, ReduceO
   auto end = deadline();
   const size_t esz = dtype_size(t);
 
-  if ((P & (P - 1)) == 0 && count * esz <= kRecursiveDoublingMaxBytes) {
-    // Recursive doubling: log2 P exchanges of the whole buffer with rank r ^ mask. Both partners
-    // compute a op b with the same operands, so every rank ends with identical bits.
+  if (count * esz <= kRecursiveDoublingMaxBytes) {
+    // Recursive doubling over p2 = the largest power of two <= P "active" ranks: log2 p2 exchanges
+    // of the whole buffer with active index a ^ mask. Both partners compute a op b with the same
+    // operands (the ops are commutative in IEEE arithmetic), so every rank ends with identical bits.
+    // With P = p2 + extra, ranks 2i+1 < 2 extra first send their buffer to 2i, which folds it in
+    // and sends the result back at the end (MPICH's algorithm for other group sizes).
+    int p2 = 1;
+    while (p2 * 2 <= P) p2 *= 2;
+    const int extra = P - p2;
     void* tmp = scratch(count * esz, 0);
-    for (int mask = 1; mask < P; mask <<= 1) {
-      int peer = r ^ mask;
+    if (r < 2 * extra && r % 2 == 1) {  // folded out: hand over the buffer, wait for the result
+      st = exchange(op, data, count, r - 1, tmp, 0, r - 1, t, end);
+      if (!st) return st;
+      return exchange(op, tmp, 0, r - 1, data, count, r - 1, t, end);
+    }
+    if (r < 2 * extra) {
+      st = exchange(op, tmp, 0, r + 1, tmp, count, r + 1, t, end);
+      if (!st) return st;
+      reduce_into(data, tmp, count, t, rop);
+    }
+    const int active = r < 2 * extra ? r / 2 : r - extra;
+    auto rank_of = [&](int a) { return a < extra ? 2 * a : a + extra; };
+    for (int mask = 1; mask < p2; mask <<= 1) {
+      const int peer = rank_of(active ^ mask);
       st = exchange(op, data, count, peer, tmp, count, peer, t, end);
       if (!st) return st;
       reduce_into(data, tmp, count, t, rop);
     }
+    if (r < 2 * extra) return exchange(op, data, count, r + 1, tmp, 0, r + 1, t, end);
     return Status::ok();
   }
 

@@ -21,27 +21,12 @@
 #include "comm/mpi_communicator.h"
 #include "comm/nccl/nccl_communicator.h"
 #include "cuda/device.h"
+#include "tests/mpi_test_env.h"
 
 namespace moe::comm {
 namespace {
 
-std::unique_ptr<MpiSession> g_session;
-std::unique_ptr<Communicator> g_world;
-
-class MpiEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    Status st = MpiSession::start(&g_session);
-    if (!st) abort_job(st);
-    st = g_session->world(&g_world, std::chrono::seconds(20));
-    if (!st) abort_job(st);
-  }
-  void TearDown() override {
-    g_world.reset();
-    g_session.reset();
-  }
-};
-[[maybe_unused]] ::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+const ::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new MpiTestEnvironment());
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
