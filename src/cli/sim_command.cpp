@@ -81,17 +81,20 @@ void print_report(const sim::SimRunConfig& cfg, const sim::SimRunResult& res) {
   {
     const double n = static_cast<double>(res.steps.size());
     double moe = 0, moe_max = 0, replicas = 0, calibrations = 0, sparse_mb = 0;
+    int64_t moved = 0;
     for (const auto& s : res.steps) {
       moe += s.moe_ms / n;
       moe_max += s.moe_ms_max / n;
       replicas += static_cast<double>(s.placement.replicas) / n;
       calibrations += static_cast<double>(s.placement.calibrations) / n;
+      moved += s.placement.experts_moved;
       sparse_mb += 1e-6 * static_cast<double>(s.sparse_bytes) / n;
     }
     std::printf("MoE layers (ms)      mean over ranks %9.3f   busiest rank %9.3f\n", moe, moe_max);
     if (cfg.strategy != "ep")
-      std::printf("placement (per step) extra replicas %.1f   calibrations %.1f   sparse collectives %.3f MB sent+received\n",
-                  replicas, calibrations, sparse_mb);
+      std::printf("placement (per step) extra replicas %.1f   calibrations %.1f   sparse collectives %.3f MB sent+received\n"
+                  "re-sharding          %lld expert shards moved over the run (between steps: not in the step times)\n",
+                  replicas, calibrations, sparse_mb, static_cast<long long>(moved));
   }
   std::printf("breakdown (ms, mean over ranks and steps)\n");
   std::printf("  compute %9.3f   exposed comm %9.3f   comm (all lanes) %9.3f   allreduce %9.3f (hidden %9.3f)\n",
@@ -134,6 +137,7 @@ Status write_metrics(const std::string& path, const sim::SimRunConfig& cfg, cons
                 {"moe_ms_per_rank", s.moe_ms_per_rank},
                 {"replicas", s.placement.replicas},
                 {"calibrations", s.placement.calibrations},
+                {"experts_moved", s.placement.experts_moved},
                 {"overlap_degree", s.placement.overlap_degree},
                 {"sparse_bytes", s.sparse_bytes},
                 {"strategy", cfg.strategy},
@@ -171,6 +175,8 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
                 "hecate: experts gathered behind attention (-1: from the modeled attention time)");
   c->add_option("--replica-slots", p.replica_slots, "hecate: extra experts a rank may hold per layer (-1: experts per rank)");
   c->add_option("--load-window", p.load_window, "hecate: steps of the load prediction window");
+  c->add_option("--reshard-every", p.reshard_every,
+                "hecate: Alg. 2 every N steps; smartmoe: its interval; flexmoe: its replan interval (-1: 100/100/50)");
   c->add_option("--link-gbs", p.link_gbs,
                 "GB/s the planners' cost models assume for moving expert weights (0: the cluster's, see docs/sim.md)");
   c->add_option("--trace", f->trace, "write a Chrome trace of every rank and step to FILE");

@@ -46,7 +46,27 @@ const comm::SparsePlan* plan_of(const LayerStepPlacement& l, OpKind kind) {
   }
 }
 
-// Hecate and FasterMoE over one graph shape; the placements change every step.
+// Owners without replicas: shard e lives on owner[e] alone.
+plan::LayerPlacement owned_only(const std::vector<int>& owner, int n_ranks) {
+  plan::LayerPlacement p;
+  p.n_ranks = n_ranks;
+  p.owner = owner;
+  for (int o : owner) p.replicas.push_back({o});
+  return p;
+}
+
+// The placement strategies over one graph shape, each deciding as runtime::Strategy does
+// (runtime/strategy.cpp), from the same planners:
+//   hecate     before the step Alg. 1 from the predicted loads, after the gate the calibration; every
+//              reshard_every steps Alg. 2 re-shards the owners;
+//   fastermoe  after the gate plan::fastermoe_plan;
+//   smartmoe   no replicas; every reshard_every steps plan::smartmoe_plan over the loads averaged
+//              since (a predictor window of reshard_every steps);
+//   flexmoe    persistent replicas gathered before the gate; after every step plan::flexmoe_plan
+//              (reserved slots: replica_slots, default 1; replan interval: reshard_every, default 50).
+// Owners change between steps (re-sharding); the traffic that moves them happens between the
+// runtime's steps, outside the StepGraph, so it is counted (PlacementStats::experts_moved) but not
+// timed.
 class PlacementStrategy : public SimStrategy {
  public:
   PlacementStrategy(std::string name, const StrategySetup& s) : name_(std::move(name)), setup_(s) {
@@ -56,15 +76,22 @@ class PlacementStrategy : public SimStrategy {
     opt_.batch = s.batch_per_rank;
     opt_.allreduce_micro_bytes = s.allreduce_micro_bytes;
     // As runtime::Strategy::configure.
-    opt_.gather_before_gate = name_ == "hecate";
+    opt_.gather_before_gate = name_ == "hecate" || name_ == "flexmoe";
     opt_.rematerialize = name_ == "hecate" && s.placement.rematerialize;
-    opt_.gather_after_gate = true;
+    opt_.gather_after_gate = name_ == "hecate" || name_ == "fastermoe";
     step_ = graph::build_ep_step(m, opt_);
     nodes_.node_of_rank = s.node_of_rank;
     for (int64_t b = 0; b < m.n_layers; ++b) moe_layers_ += m.is_moe_layer(b) ? 1 : 0;
-    if (name_ == "hecate")
-      predictor_ = std::make_unique<plan::LoadPredictor>(std::max(1, moe_layers_), static_cast<int>(m.n_experts),
-                                                         s.placement.load_window);
+    const int E = static_cast<int>(m.n_experts);
+    owners_.assign(std::max(1, moe_layers_), plan::even_placement(E, s.ranks));
+    flex_placement_ = owners_;
+    flex_since_.assign(owners_.size(), 0);
+    reshard_every_ = s.placement.reshard_every >= 0 ? s.placement.reshard_every : (name_ == "flexmoe" ? 50 : 100);
+    if (name_ != "fastermoe") {
+      // SmartMoE averages the loads since its last update: a window of reshard_every steps.
+      const int window = name_ == "smartmoe" ? std::max(1, reshard_every_) : s.placement.load_window;
+      predictor_ = std::make_unique<plan::LoadPredictor>(std::max(1, moe_layers_), E, window);
+    }
     const double mats = weight_mats(m);
     expert_bytes_ = static_cast<int64_t>(mats) * m.d_model * m.d_ffn * static_cast<int64_t>(sizeof(float));
     // The GEMM rate the cost models assume: the device's on the balanced expert_fwd op.
@@ -78,6 +105,8 @@ class PlacementStrategy : public SimStrategy {
       }
     }
     gemm_rate_ = s.device.peak_flops * efficiency(s.device, std::max(balanced_flops, 1.0));
+    // One token through one expert, forward and backward (3 GEMM passes): Strategy::expert_seconds_per_token.
+    expert_seconds_per_token_ = 3 * 2 * mats * static_cast<double>(m.d_model * m.d_ffn) / gemm_rate_;
     // The trainer's t: the mean attn_fwd op time (the compute model gives every rank the same).
     attn_s_ = n_attn ? attn_s / n_attn : 0;
     bandwidth_ = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
@@ -90,12 +119,10 @@ class PlacementStrategy : public SimStrategy {
     // t of this step: fixed, or as the trainer: 0 before any step was measured, then from attention.
     int t = setup_.placement.overlap_degree;
     if (t < 0) t = steps_ == 0 ? 0 : plan::overlap_degree(attn_s_, bandwidth_, expert_bytes_);
-    const plan::LayerPlacement owners = plan::even_placement(E, R);
     std::vector<LayerStepPlacement> layers;
     std::vector<std::vector<int64_t>> global(load.size(), std::vector<int64_t>(E, 0));
     stats_ = PlacementStats{};
     stats_.overlap_degree = name_ == "hecate" ? t : 0;
-    const double mats = weight_mats(m);
     for (size_t i = 0; i < load.size(); ++i) {
       std::vector<std::vector<int64_t>> counts(R, std::vector<int64_t>(E, 0));
       for (int r = 0; r < R; ++r)
@@ -103,16 +130,15 @@ class PlacementStrategy : public SimStrategy {
           counts[r][e] = load[i][static_cast<size_t>(r) * E + e];
           global[i][e] += counts[r][e];
         }
-      plan::LayerPlacement planned = owners, placed;
+      const plan::LayerPlacement& owners = owners_.at(i);
+      plan::LayerPlacement planned = owners, placed = owners;
       if (name_ == "hecate") {
         planned = plan::sparse_materialize(owners, predictor_->predict(static_cast<int>(i)), t, slots_, nodes_);
-        // One token through one expert, forward and backward (3 GEMM passes), as Strategy::place.
-        const plan::CalibrationModel cm{3 * 2 * mats * static_cast<double>(m.d_model * m.d_ffn) / gemm_rate_,
-                                        bandwidth_, expert_bytes_};
+        const plan::CalibrationModel cm{expert_seconds_per_token_, bandwidth_, expert_bytes_};
         const plan::Calibration c = plan::calibrate(planned, counts, t, slots_, nodes_, cm);
         placed = c.gather ? c.placement : planned;
         stats_.calibrations += c.gather ? 1 : 0;
-      } else {
+      } else if (name_ == "fastermoe") {
         plan::FasterMoeModel fm;
         fm.d_model = m.d_model;
         fm.ffn_ratio = static_cast<double>(m.d_ffn) / static_cast<double>(m.d_model);
@@ -120,22 +146,67 @@ class PlacementStrategy : public SimStrategy {
         fm.bandwidth = bandwidth_;
         fm.gemm_flops = gemm_rate_;
         placed = plan::fastermoe_plan(owners, counts, fm);
+      } else if (name_ == "flexmoe") {
+        planned = placed = flex_placement_.at(i);
       }
       for (const std::vector<int>& r : placed.replicas) stats_.replicas += static_cast<int64_t>(r.size()) - 1;
-      layers.push_back(layer_step_placement(m, opt_, std::move(planned), std::move(placed), nodes_, counts));
+      layers.push_back(layer_step_placement(m, opt_, owners, std::move(planned), std::move(placed), nodes_, counts));
     }
     out->assign(R, step_.graph);
     for (int r = 0; r < R; ++r) fill_placement_costs(m, opt_, layers, r, &(*out)[r]);
     schedules_ = sim::sparse_schedules(step_.graph, m, layers);
-    // After the step, as the trainer: the predictor sees the global loads.
+    // After the step, as the trainer: the predictor sees the global loads, then re-sharding when due.
     if (predictor_) predictor_->observe(global);
     ++steps_;
+    stats_.experts_moved = reshard(t);
   }
 
   const std::vector<SparseSchedule>& sparse_schedules() const override { return schedules_; }
   PlacementStats placement_stats() const override { return stats_; }
 
  private:
+  // runtime::Strategy::reshard after `steps_` steps; returns the experts whose owner changed.
+  int64_t reshard(int t) {
+    const int R = setup_.ranks;
+    const int n = static_cast<int>(owners_.size());
+    std::vector<std::vector<int>> next(n);
+    for (int i = 0; i < n; ++i) next[i] = owners_[i].owner;
+    if (name_ == "flexmoe") {
+      plan::FlexMoeConfig fc;
+      fc.reserved_slots = setup_.placement.replica_slots >= 0 ? setup_.placement.replica_slots : 1;
+      fc.replan_interval = std::max(1, reshard_every_);
+      fc.expert_seconds_per_token = expert_seconds_per_token_;
+      fc.expert_state_bytes = 3 * expert_bytes_;  // weights + Adam's two moments
+      fc.bandwidth = bandwidth_;
+      for (int i = 0; i < n; ++i) {
+        ++flex_since_[i];
+        const plan::FlexMoePlan p = plan::flexmoe_plan(flex_placement_[i], predictor_->predict(i), flex_since_[i], fc);
+        if (!p.replanned) continue;
+        flex_since_[i] = 0;
+        flex_placement_[i] = p.placement;
+        next[i] = p.placement.owner;
+      }
+    } else if ((name_ == "hecate" || name_ == "smartmoe") && reshard_every_ > 0 && steps_ % reshard_every_ == 0) {
+      std::vector<std::vector<double>> loads;
+      for (int i = 0; i < n; ++i) loads.push_back(predictor_->predict(i));
+      if (name_ == "hecate") {
+        next = plan::heterogeneous_sharding(loads, t, nodes_);
+      } else {
+        for (int i = 0; i < n; ++i)
+          next[i] = plan::smartmoe_plan(owners_[i].owner, R, loads[i], reshard_every_,
+                                        plan::SmartMoeConfig{reshard_every_})
+                        .owner;
+      }
+    }
+    int64_t moved = 0;
+    for (int i = 0; i < n; ++i) {
+      if (next[i] == owners_[i].owner) continue;
+      moved += static_cast<int64_t>(plan::owner_moves(owners_[i].owner, next[i]).size());
+      owners_[i] = owned_only(next[i], R);
+    }
+    return moved;
+  }
+
   std::string name_;
   StrategySetup setup_;
   graph::EpStepOptions opt_;
@@ -143,8 +214,12 @@ class PlacementStrategy : public SimStrategy {
   plan::Nodes nodes_;
   int moe_layers_ = 0;
   std::unique_ptr<plan::LoadPredictor> predictor_;
+  std::vector<plan::LayerPlacement> owners_;          // per MoE layer: the shards' owners now
+  std::vector<plan::LayerPlacement> flex_placement_;  // flexmoe: its persistent placement per layer
+  std::vector<int> flex_since_;                       // flexmoe: steps since its last re-plan
+  int reshard_every_ = 0;
   int64_t expert_bytes_ = 0;
-  double gemm_rate_ = 0, attn_s_ = 0, bandwidth_ = 0;
+  double gemm_rate_ = 0, attn_s_ = 0, bandwidth_ = 0, expert_seconds_per_token_ = 0;
   int slots_ = 0;
   int64_t steps_ = 0;
   std::vector<SparseSchedule> schedules_;
@@ -154,11 +229,12 @@ class PlacementStrategy : public SimStrategy {
 }  // namespace
 
 LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpStepOptions& opt,
-                                        plan::LayerPlacement planned, plan::LayerPlacement placed,
-                                        const plan::Nodes& nodes, const std::vector<std::vector<int64_t>>& counts) {
-  const int R = opt.world, W = weight_mats(cfg);
+                                        plan::LayerPlacement owners_now, plan::LayerPlacement planned,
+                                        plan::LayerPlacement placed, const plan::Nodes& nodes,
+                                        const std::vector<std::vector<int64_t>>& counts) {
+  const int W = weight_mats(cfg), R = opt.world;
   LayerStepPlacement l;
-  l.owners = plan::even_placement(static_cast<int>(cfg.n_experts), R);
+  l.owners = std::move(owners_now);
   l.planned = std::move(planned);
   l.placed = std::move(placed);
   l.rows = plan::dispatch_plan(l.placed, nodes, counts);
@@ -263,7 +339,7 @@ double placement_bandwidth(const Cluster& cluster) {
 }
 
 Status make_placement_strategy(const std::string& name, const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-  if (name != "hecate" && name != "fastermoe")
+  if (name != "hecate" && name != "fastermoe" && name != "smartmoe" && name != "flexmoe")
     return Status::error(str_cat("sim: no placement strategy \"", name, "\""));
   if (s.ep_size != s.ranks)
     return Status::error(str_cat("strategy ", name, ": ep-size (", s.ep_size, ") must equal the ranks (", s.ranks,
@@ -274,8 +350,8 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   if (static_cast<int>(s.node_of_rank.size()) != s.ranks)
     return Status::error(str_cat("strategy ", name, ": the node of every rank is needed"));
   if (s.placement.load_window < 1) return Status::error("load window must be >= 1");
-  if (s.placement.replica_slots < -1 || s.placement.overlap_degree < -1)
-    return Status::error("replica slots and overlap degree must be >= 0 (-1: default)");
+  if (s.placement.replica_slots < -1 || s.placement.overlap_degree < -1 || s.placement.reshard_every < -1)
+    return Status::error("replica slots, overlap degree and reshard-every must be >= 0 (-1: default)");
   if (!(s.placement.link_gbs >= 0) || !std::isfinite(s.placement.link_gbs)) return Status::error("link GB/s must be >= 0");
   if (!(s.bandwidth > 0) && !(s.placement.link_gbs > 0))
     return Status::error(str_cat("strategy ", name, ": no bandwidth for the planners' cost models"));

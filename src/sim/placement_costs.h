@@ -1,4 +1,4 @@
-// The placement strategies in the simulator (Hecate, FasterMoE: runtime/strategy.h): per step the
+// The placement strategies in the simulator (Hecate, FasterMoE, SmartMoE, FlexMoE: runtime/strategy.h): per step the
 // placements from the very planners the runtime calls, and the run-time sizes of their graphs
 // (build_ep_step with the placement options, one ep group of every rank) exactly as MoeLayer
 // (moe/moe_layer_placed.cpp) and EpStepBodies (runtime/ep_step_bodies.cpp) record them.
@@ -12,6 +12,9 @@
 //   after the gate   hecate: plan::calibrate(planned, counts, t, m, nodes, {expert s/token, bandwidth,
 //                    expert bytes}); its placement when it says gather. fastermoe:
 //                    plan::fastermoe_plan(owners, counts, {C, F/C, 4 bytes, bandwidth, GEMM rate}).
+//   after the step   re-sharding of the owners (PlacementStrategy in placement_costs.cpp): hecate's
+//                    Alg. 2 and smartmoe every reshard_every steps, flexmoe's re-plan after every step
+//                    (its persistent replicas are gathered before the gate).
 //                    counts[r][e] = the step's load (the kept assignments, what routed_counts gives).
 //   sizes            dispatch / combine all-to-alls from rows = plan::dispatch_plan(placed, nodes,
 //                    counts) (float32 rows of C), expert FLOPs from the rows a rank receives, the sparse
@@ -53,12 +56,14 @@ struct LayerStepPlacement {
   int64_t chunk_bytes = 0;         // 4 * F * C
 };
 
-// The above from the two placements. counts [R][E]. REQUIRES: planned and placed valid over the
-// owners even_placement(E, R) with R = opt.world, placed's replicas ⊇ planned's, nodes of R ranks,
+// The above from the shards' owners now (even_placement(E, R) until a strategy re-shards) and the two
+// placements. counts [R][E]. REQUIRES: owners, planned and placed valid over R = opt.world ranks,
+// planned and placed holding every owner's shard, placed's replicas ⊇ planned's, nodes of R ranks,
 // counts [R][E] non-negative (std::logic_error from the planners otherwise).
 LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpStepOptions& opt,
-                                        plan::LayerPlacement planned, plan::LayerPlacement placed,
-                                        const plan::Nodes& nodes, const std::vector<std::vector<int64_t>>& counts);
+                                        plan::LayerPlacement owners, plan::LayerPlacement planned,
+                                        plan::LayerPlacement placed, const plan::Nodes& nodes,
+                                        const std::vector<std::vector<int64_t>>& counts);
 
 // Writes into `g` (a graph of build_ep_step(cfg, opt) for rank `rank`, opt with placement options and
 // ep_size == world) the sizes the runtime records, from layers[i] for MoE layer i:
@@ -83,7 +88,7 @@ std::vector<SparseSchedule> sparse_schedules(const graph::StepGraph& g, const Mo
 // on one node the slowest route from device 0 to another device.
 double placement_bandwidth(const Cluster& cluster);
 
-// The strategies "hecate" and "fastermoe" (sim_strategies() registers them). Errors: ep_size !=
+// The strategies "hecate", "fastermoe", "smartmoe" and "flexmoe" (sim_strategies() registers them). Errors: ep_size !=
 // ranks, n_experts not a multiple of the ranks, missing node map (named).
 Status make_placement_strategy(const std::string& name, const StrategySetup& setup, std::unique_ptr<SimStrategy>* out);
 

@@ -83,6 +83,18 @@ const std::map<std::string, StrategyInfo>& sim_strategies() {
         [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
           return make_placement_strategy("fastermoe", s, out);
         }}},
+      {"smartmoe",
+       {"SmartMoE: experts sharded as EP, no replicas; every --reshard-every steps its greedy re-assigns owners "
+        "by the averaged loads (plan::smartmoe_plan) when that lowers the busiest rank's load",
+        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
+          return make_placement_strategy("smartmoe", s, out);
+        }}},
+      {"flexmoe",
+       {"FlexMoE: persistent expert replicas (--replica-slots per rank, default 1), gathered before the gate, "
+        "re-planned after every step by its balance trigger and cost model (plan::flexmoe_plan)",
+        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
+          return make_placement_strategy("flexmoe", s, out);
+        }}},
   };
   return registry;
 }

@@ -10,7 +10,9 @@
 //   ep         expert parallelism (graph/ep_builder.h), costs by load.h's fill_ep_costs;
 //   hecate     Hecate FSSDP (runtime/strategy.h): Alg. 1 before the step, calibration after the gate,
 //              sparse collectives on the gather lane; PlacementOptions::rematerialize for Hecate-RM;
-//   fastermoe  FasterMoE's shadowing after the gate. (placement_costs.h for both.)
+//   fastermoe  FasterMoE's shadowing after the gate;
+//   smartmoe   SmartMoE's owner swaps every PlacementOptions::reshard_every steps, no replicas;
+//   flexmoe    FlexMoE's persistent replicas, re-planned after every step. (placement_costs.h for these four.)
 #pragma once
 
 #include <cstdint>
@@ -37,6 +39,9 @@ struct PlacementOptions {
   int replica_slots = -1;      // hecate: m extra experts per rank and layer (-1: E / ranks)
   int load_window = 5;         // hecate: steps of the load predictor's window (>= 1)
   double link_gbs = 0;         // GB/s the planners' cost models assume (0: placement_bandwidth(cluster))
+  // hecate: Alg. 2 every N steps; smartmoe: its interval; flexmoe: its replan interval (-1: the
+  // runtime's defaults, 100 / 100 / 50; 0: never, except flexmoe's balance trigger).
+  int reshard_every = -1;
 };
 
 // What a strategy needs to build its graphs.
@@ -59,6 +64,7 @@ struct PlacementStats {
   int64_t replicas = 0;       // extra replicas over all MoE layers, as the runtime's metrics count them
   int64_t calibrations = 0;   // hecate: MoE layers whose calibration gathered
   int overlap_degree = 0;     // hecate: the t used
+  int64_t experts_moved = 0;  // shards whose owner changed after this step (hecate Alg. 2, smartmoe, flexmoe)
 };
 
 class SimStrategy {
