@@ -21,7 +21,8 @@
 // before any result was seen; or a recorded `moe train --metrics` file from MOE_SIM_LOAD (its layers and
 // experts must match the model; rows whose shape differs are skipped with the reason). The balanced
 // reference is EP on the uniform load.
-// Strategies: ep; fastermoe; hecate (t from the modeled attention time as the trainer derives it, m =
+// Strategies: ep; fastermoe; smartmoe (re-assigning every 5 steps, kSmartMoeInterval); flexmoe (its
+// balance trigger after every step, 1 reserved slot, re-plan interval 50); hecate (t from the modeled attention time as the trainer derives it, m =
 // E / GPUs); hecate-rm (hecate --rematerialize); and both with t = m ("t=m": Alg. 1's t <= m branch
 // at its largest, the top-m experts on every rank), a what-if: on these settings the derived t is 0
 // (an expert's float32 weights take longer to cross a GPU's share of the NIC than one attention
@@ -58,6 +59,9 @@ struct Row {
 };
 
 constexpr int kSteps = 10, kWarm = 5;
+// SmartMoE re-assigns every 5 steps here (its default of 100 would never act within 10 steps): about
+// as often as the drifting load moves its hot expert (every 4 steps).
+constexpr int kSmartMoeInterval = 5;
 
 Status run_row(const PaperModel& pm, const Setting& st, const std::string& strategy, bool remat,
                const std::string& load, Row* out, bool t_is_m = false) {
@@ -81,6 +85,7 @@ Status run_row(const PaperModel& pm, const Setting& st, const std::string& strat
   cfg.allreduce_micro_bytes = 4 << 20;
   cfg.placement.rematerialize = remat;
   if (t_is_m) cfg.placement.overlap_degree = static_cast<int>(m.n_experts / gpus);
+  if (strategy == "smartmoe") cfg.placement.reshard_every = kSmartMoeInterval;
   sim::SimRunResult res;
   if (Status s = sim::simulate(cfg, &res); !s) return s;
   Row r;
@@ -140,6 +145,8 @@ int sim_strategies(const BenchOptions&) {
         };
         for (const Variant& v : {Variant{"ep", "ep", false, false}, Variant{"fastermoe", "fastermoe", false, false},
                                  Variant{"hecate", "hecate", false, false}, Variant{"hecate-rm", "hecate", true, false},
+                                 Variant{"smartmoe", "smartmoe", false, false},
+                                 Variant{"flexmoe", "flexmoe", false, false},
                                  Variant{"hecate t=m", "hecate", false, true},
                                  Variant{"hec-rm t=m", "hecate", true, true}}) {
           Row r = ep;

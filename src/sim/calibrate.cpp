@@ -7,12 +7,14 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <stdexcept>
 #include <tuple>
 
 #include <nlohmann/json.hpp>
 
 #include "graph/ep_builder.h"
 #include "model/safetensors.h"
+#include "sim/compute.h"
 #include "util/str_cat.h"
 
 namespace moe::sim {
@@ -67,6 +69,83 @@ LinearFit fit_line(const std::vector<double>& x, const std::vector<double>& y) {
   for (int i = 0; i < f.n; ++i) ss += std::pow(y[i] - f.intercept - f.slope * x[i], 2);
   f.rms = std::sqrt(ss / f.n);
   return f;
+}
+
+void fit_memory_ops(const std::vector<double>& bytes, const std::vector<double>& t, double* launch,
+                    double* bandwidth, std::vector<std::string>* notes) {
+  *launch = 0;
+  *bandwidth = 1e15;
+  if (bytes.empty()) {
+    notes->push_back("no FLOP-less ops: launch 0, memory bandwidth 1e15 B/s");
+    return;
+  }
+  const LinearFit f = fit_line(bytes, t);
+  const double t_min = *std::min_element(t.begin(), t.end());
+  if (f.slope > 0 && f.intercept >= 0 && f.intercept <= t_min) {
+    *launch = f.intercept;
+    *bandwidth = 1 / f.slope;
+    return;
+  }
+  // No usable line (the ops are too alike in size, or differ in kind more than in bytes): no fixed
+  // cost, and the bandwidth that reproduces their total time.
+  const double sb = std::accumulate(bytes.begin(), bytes.end(), 0.0), st = std::accumulate(t.begin(), t.end(), 0.0);
+  if (sb > 0 && st > 0) *bandwidth = sb / st;
+  notes->push_back(str_cat("FLOP-less ops fit no line (t = ", f.intercept * 1e6, " us + bytes * ", f.slope * 1e9,
+                           " ns/B): launch 0, bandwidth = their bytes / their time"));
+}
+
+double fit_compute_rate(const std::vector<double>& flops, const std::vector<double>& bytes, const std::vector<double>& t,
+                        double launch, double mem_bandwidth) {
+  // total(rate) = sum of launch + max(flops / rate, bytes / bandwidth): continuous and decreasing in
+  // rate; bisect on log(rate) for total(rate) = sum of t.
+  const double target = std::accumulate(t.begin(), t.end(), 0.0);
+  auto total = [&](double rate) {
+    double s = 0;
+    for (size_t i = 0; i < flops.size(); ++i) s += launch + std::max(flops[i] / rate, bytes[i] / mem_bandwidth);
+    return s;
+  };
+  double lo = 1, hi = 1e18;
+  if (total(hi) >= target) return 0;  // memory and launch alone take longer than measured
+  for (int it = 0; it < 200 && hi / lo > 1 + 1e-12; ++it) {
+    const double mid = std::sqrt(lo * hi);
+    (total(mid) > target ? lo : hi) = mid;
+  }
+  return std::sqrt(lo * hi);
+}
+
+double cpu_share(int ranks, int threads_per_rank, int cores) {
+  if (ranks < 1 || threads_per_rank < 1 || cores < 1)
+    throw std::logic_error("sim::cpu_share: ranks, threads per rank and cores must be >= 1");
+  return std::max(1.0, static_cast<double>(ranks) * threads_per_rank / cores);
+}
+
+ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int ranks, int threads_per_rank, int cores) {
+  const double f = cpu_share(ranks, threads_per_rank, cores) / cal.cores_share;
+  ClusterSpec c = cal.cluster;
+  if (f == 1) return c;
+  DeviceSpec& d = c.node.device;
+  d.peak_flops /= f, d.mem_bandwidth /= f, d.launch_overhead *= f;
+  for (LinkSpec* l : {&c.node.device_pcie, &c.node.switch_uplink}) l->bandwidth /= f, l->latency *= f;
+  return c;
+}
+
+Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSpec nic, ClusterSpec* out) {
+  if (ranks_per_node < 1) return Status::error("two_node_cluster: ranks per node must be >= 1");
+  if (!(nic.bandwidth > 0) || !(nic.latency >= 0)) return Status::error("two_node_cluster: the NIC needs bandwidth > 0, latency >= 0");
+  ClusterSpec c = cal.cluster;
+  c.name = "calibrated-2-nodes";
+  c.nodes = 2;
+  NodeSpec& n = c.node;
+  n.devices = ranks_per_node;
+  n.device_switch.assign(ranks_per_node, 0);
+  n.nic_switch = {0};
+  n.nic_pcie = n.device_pcie;
+  n.nic_pcie.latency = 0;  // the calibrated alpha is paid on the devices' links at either end
+  n.nic_port = nic;
+  c.fabric = FabricSpec{};
+  if (Status s = c.validate(); !s) return Status::error(str_cat("two_node_cluster: ", s.message()));
+  *out = std::move(c);
+  return Status::ok();
 }
 
 Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out) {
@@ -134,12 +213,10 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
   // Samples per (op name, rank): (flops or bytes, time); each becomes one point of its medians, so
   // a step the machine's other jobs slowed down does not pull the fit.
   std::map<std::pair<std::string, int>, std::vector<std::pair<double, double>>> flop_ops, byte_ops;
-  // Collective instances: (step, name) -> shortest duration and largest bytes.
-  std::map<std::pair<int64_t, std::string>, std::tuple<double, double, std::string>> colls;
   for (const json& e : trace.at("traceEvents")) {
     if (e.value("ph", "") != "X") continue;
     const json& a = e.at("args");
-    const std::string name = e.at("name").get<std::string>(), kind = a.at("kind").get<std::string>();
+    const std::string name = e.at("name").get<std::string>();
     const double t = e.at("dur").get<double>() * 1e-6;
     const int64_t stp = a.at("step").get<int64_t>();
     const int rank = e.at("pid").get<int>();
@@ -156,16 +233,7 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
         flops = (op.kind == graph::OpKind::expert_fwd ? 1 : 2) * 2 * mats * rows * model.d_model * model.d_ffn;
       }
       (flops > 0 ? flop_ops : byte_ops)[{name, rank}].emplace_back(flops > 0 ? flops : bytes, t);
-      continue;
     }
-    const bool a2a = kind == "dispatch_a2a" || kind == "combine_a2a" || kind == "dispatch_a2a_bwd" || kind == "combine_a2a_bwd";
-    if (!a2a && kind != "grad_allreduce") continue;
-    auto& c = colls[{stp, name}];
-    auto& [tmin, bmax, k] = c;
-    if (k.empty()) tmin = t, bmax = 0;
-    tmin = std::min(tmin, t);
-    bmax = std::max(bmax, a.at("bytes").get<double>());
-    k = kind;
   }
   auto medians = [](const auto& groups, std::vector<double>* x, std::vector<double>* y) {
     for (const auto& [key, samples] : groups) {
@@ -177,52 +245,139 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
       y->push_back(b[b.size() / 2]);
     }
   };
-  std::vector<double> cf, ct, mb, mt;  // compute: flops, time; memory ops: bytes, time
-  medians(flop_ops, &cf, &ct);
+  std::vector<double> cf, ct, cb, mb, mt;  // FLOP ops: flops, time, bytes; FLOP-less ops: bytes, time
+  for (const auto& [key, samples] : flop_ops) {
+    std::vector<double> f, t;
+    for (const auto& [fi, ti] : samples) f.push_back(fi), t.push_back(ti);
+    std::sort(f.begin(), f.end());
+    std::sort(t.begin(), t.end());
+    cf.push_back(f[f.size() / 2]);
+    ct.push_back(t[t.size() / 2]);
+    cb.push_back(static_cast<double>(compute_ops.at(key.first)->cost.bytes));
+  }
   medians(byte_ops, &mb, &mt);
   if (cf.size() < 2) return Status::error(str_cat("calibrate: ", trace_path, " has too few compute ops to fit"));
   res.compute = fit_line(cf, ct);
   res.memory_ops = fit_line(mb, mt);
-
+  double launch = 0, mem_bw = 0;
+  fit_memory_ops(mb, mt, &launch, &mem_bw, &res.notes);
+  double rate = fit_compute_rate(cf, cb, ct, launch, mem_bw);
+  if (!(rate > 0)) {
+    // The FLOP ops ran faster than the FLOP-less ops' launch and bandwidth allow (tiny ops).
+    res.notes.push_back(str_cat("the FLOP ops took less than launch + bytes / ", mem_bw * 1e-9,
+                                " GB/s: memory bandwidth 1e15 B/s"));
+    mem_bw = 1e15;
+    rate = fit_compute_rate(cf, cb, ct, launch, mem_bw);
+  }
+  if (!(rate > 0)) {
+    res.notes.push_back(str_cat("the FLOP ops took less than the launch overhead ", launch * 1e6, " us: launch 0"));
+    launch = 0;
+    rate = fit_compute_rate(cf, cb, ct, launch, mem_bw);
+  }
+  if (!(rate > 0)) return Status::error("calibrate: the FLOP ops of this run took no time");
   DeviceSpec d;
   d.name = "calibrated";
-  d.launch_overhead = std::max(0.0, res.memory_ops.intercept);
-  if (res.memory_ops.intercept < 0) res.notes.push_back("launch overhead fitted negative: 0");
-  d.mem_bandwidth = res.memory_ops.slope > 0 ? 1 / res.memory_ops.slope : 1e15;
-  if (!(res.memory_ops.slope > 0)) res.notes.push_back("memory-bound ops show no bandwidth limit: 1e15 B/s");
-  if (!(res.compute.slope > 0)) return Status::error("calibrate: compute time does not grow with FLOPs in this run");
-  d.peak_flops = 1 / res.compute.slope;
+  d.launch_overhead = launch;
+  d.mem_bandwidth = mem_bw;
+  d.peak_flops = rate;
   d.max_efficiency = 1;
-  d.half_efficiency_flops = std::max(0.0, (res.compute.intercept - d.launch_overhead) / res.compute.slope);
-  if (res.compute.intercept < d.launch_overhead) res.notes.push_back("compute intercept below the launch overhead: half-efficiency 0");
+  d.half_efficiency_flops = 0;
+  {
+    double ss = 0;
+    for (size_t i = 0; i < cf.size(); ++i) ss += std::pow(ct[i] - op_time(d, cf[i], cb[i]), 2);
+    res.compute_model_rms = std::sqrt(ss / cf.size());
+  }
 
-  // One point per op name: medians over steps of the shortest member duration and of the bytes.
-  std::map<std::string, std::tuple<std::vector<double>, std::vector<double>, std::string>> by_name;
-  for (const auto& [key, c] : colls) {
-    auto& [ts, bs, kind] = by_name[key.second];
-    ts.push_back(std::get<0>(c));
-    bs.push_back(std::get<1>(c));
-    kind = std::get<2>(c);
-  }
-  std::vector<double> u, v, y;
-  for (auto& [name, c] : by_name) {
-    auto& [ts, bs, kind] = c;
-    std::sort(ts.begin(), ts.end());
-    std::sort(bs.begin(), bs.end());
-    const double tmin = ts[ts.size() / 2], bmax = bs[bs.size() / 2];
-    if (kind == "grad_allreduce") {
-      u.push_back(2.0 * (P - 1));
-      v.push_back(2.0 * (P - 1) / P * bmax);
-    } else {
-      u.push_back(1);
-      v.push_back(bmax * (P - 1) / P);
+  // Collectives: one point per op name, the medians over steps of the transfer time and of the bytes.
+  // The transfer time of an instance: from the last member's arrival to the first member's end (no
+  // member can end before everyone arrived; the first to end waited for nobody after that). Instances
+  // during which any member's compute stream ran are left out when enough others remain: the runtime's
+  // communication lanes poll on the cores that compute, so such a duration measures CPU contention, not
+  // the link.
+  struct Inst {
+    double start = 0, end = 1e300;  // max member start, min member end (s)
+    double bytes = 0;
+    std::string kind;
+    std::vector<std::pair<int, std::pair<double, double>>> members;  // rank, [start, end]
+  };
+  std::map<std::pair<int64_t, std::string>, Inst> insts;
+  std::map<int, std::vector<std::pair<double, double>>> compute_spans;  // by rank
+  for (const json& e : trace.at("traceEvents")) {
+    if (e.value("ph", "") != "X") continue;
+    const json& a = e.at("args");
+    const double ts = e.at("ts").get<double>() * 1e-6, te = ts + e.at("dur").get<double>() * 1e-6;
+    const int rank = e.at("pid").get<int>();
+    if (e.value("cat", "") == "compute") {
+      compute_spans[rank].push_back({ts, te});
+      continue;
     }
-    y.push_back(tmin);
+    const std::string kind = a.at("kind").get<std::string>();
+    const bool a2a = kind == "dispatch_a2a" || kind == "combine_a2a" || kind == "dispatch_a2a_bwd" || kind == "combine_a2a_bwd";
+    if (!a2a && kind != "grad_allreduce" && kind != "gate_sync") continue;
+    Inst& in = insts[{a.at("step").get<int64_t>(), e.at("name").get<std::string>()}];
+    in.kind = kind;
+    in.start = std::max(in.start, ts);
+    in.end = std::min(in.end, te);
+    // gate_sync records no bytes: the counts allgather's 8 K E bytes per member, as the simulator sizes it (load.h).
+    in.bytes = kind == "gate_sync" ? 8.0 * model.top_k * model.n_experts : std::max(in.bytes, a.at("bytes").get<double>());
+    in.members.push_back({rank, {ts, te}});
   }
+  for (auto& [r, spans] : compute_spans) std::sort(spans.begin(), spans.end());
+  auto busy = [&](int rank, double a, double b) {  // does a compute op of `rank` overlap (a, b)?
+    const auto& spans = compute_spans[rank];
+    auto it = std::lower_bound(spans.begin(), spans.end(), std::make_pair(b, b));
+    while (it != spans.begin()) {
+      --it;
+      if (it->second > a) return true;
+      if (it->first < a - 1.0) break;  // ops are far shorter than a second
+    }
+    return false;
+  };
+  std::map<std::string, std::tuple<std::vector<double>, std::vector<double>, std::string>> clean, all;
+  for (const auto& [key, in] : insts) {
+    if (static_cast<int>(in.members.size()) < 2) continue;
+    const double t = std::max(0.0, in.end - in.start);
+    bool contended = false;
+    for (const auto& m : in.members) contended = contended || busy(m.first, in.start, std::max(in.end, in.start));
+    for (auto* dst : {&all, contended ? nullptr : &clean}) {
+      if (!dst) continue;
+      auto& [ts, bs, kind] = (*dst)[key.second];
+      ts.push_back(t);
+      bs.push_back(in.bytes);
+      kind = in.kind;
+    }
+  }
+  auto points = [&](auto& by_name, std::vector<double>* u, std::vector<double>* v, std::vector<double>* y) {
+    for (auto& [name, c] : by_name) {
+      auto& [ts, bs, kind] = c;
+      std::sort(ts.begin(), ts.end());
+      std::sort(bs.begin(), bs.end());
+      const double t = ts[ts.size() / 2], bytes = bs[bs.size() / 2];
+      if (kind == "grad_allreduce") {
+        u->push_back(2.0 * (P - 1));
+        v->push_back(2.0 * (P - 1) / P * bytes);
+      } else if (kind == "gate_sync") {  // ring allgather: P - 1 steps, each member's bytes per step
+        u->push_back(P - 1.0);
+        v->push_back((P - 1.0) * bytes);
+      } else {
+        u->push_back(1);
+        v->push_back(bytes * (P - 1) / P);
+      }
+      y->push_back(t);
+    }
+  };
+  std::vector<double> u, v, y;
+  points(clean, &u, &v, &y);
   double alpha = 0, inv_bw = 0;
-  if (y.size() < 2 || !solve2(u, v, y, &alpha, &inv_bw))
-    return Status::error(str_cat("calibrate: ", trace_path, " has too few all-to-all / allreduce ops to fit"));
+  if (y.size() < 3 || !solve2(u, v, y, &alpha, &inv_bw)) {
+    res.notes.push_back(str_cat("only ", y.size(), " collective(s) ran with every member's cores free of compute: fitted on all"));
+    u.clear(), v.clear(), y.clear();
+    points(all, &u, &v, &y);
+    if (y.size() < 2 || !solve2(u, v, y, &alpha, &inv_bw))
+      return Status::error(str_cat("calibrate: ", trace_path, " has too few all-to-all / allreduce ops to fit"));
+  }
   res.comm_points = static_cast<int>(y.size());
+  res.comm_contended = static_cast<int>(all.size()) - static_cast<int>(clean.size());
   double ss = 0;
   for (size_t i = 0; i < y.size(); ++i) ss += std::pow(y[i] - alpha * u[i] - inv_bw * v[i], 2);
   res.comm_rms = std::sqrt(ss / y.size());
@@ -230,6 +385,7 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
   if (!(inv_bw > 0)) res.notes.push_back("communication time does not grow with bytes: bandwidth 1e12 B/s");
   res.alpha = std::max(0.0, alpha);
   res.bandwidth = inv_bw > 0 ? 1 / inv_bw : 1e12;
+  res.cores_share = 1;
 
   ClusterSpec& c = res.cluster;
   c.name = "calibrated";
@@ -249,15 +405,16 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
 
 std::string describe(const CalibrationResult& r) {
   std::string s = str_cat("calibration of a ", r.ranks, "-rank run, batch ", r.batch, " sequences\n");
-  s += str_cat("  compute ops (", r.compute.n, "):  t = ", r.compute.intercept * 1e6, " us + flops / ",
-               1e-9 / r.compute.slope, " GFLOP/s   (rms ", r.compute.rms * 1e6, " us)\n");
-  s += str_cat("  no-FLOP ops (", r.memory_ops.n, "):  t = ", r.memory_ops.intercept * 1e6, " us + bytes / ",
+  s += str_cat("  compute ops (", r.compute.n, "):  least squares t = ", r.compute.intercept * 1e6, " us + flops / ",
+               1e-9 / r.compute.slope, " GFLOP/s (rms ", r.compute.rms * 1e6, " us; not used: see calibrate.h)\n");
+  s += str_cat("  no-FLOP ops (", r.memory_ops.n, "):  least squares t = ", r.memory_ops.intercept * 1e6, " us + bytes / ",
                r.memory_ops.slope > 0 ? 1e-9 / r.memory_ops.slope : 0.0, " GB/s   (rms ", r.memory_ops.rms * 1e6, " us)\n");
-  s += str_cat("  collectives (", r.comm_points, "):  alpha ", r.alpha * 1e6, " us, bandwidth ", r.bandwidth * 1e-9,
-               " GB/s   (rms ", r.comm_rms * 1e6, " us)\n");
+  s += str_cat("  collectives (", r.comm_points, ", ", r.comm_contended, " left out: overlapped compute):  alpha ",
+               r.alpha * 1e6, " us, bandwidth ", r.bandwidth * 1e-9, " GB/s   (rms ", r.comm_rms * 1e6, " us)\n");
   const DeviceSpec& d = r.cluster.node.device;
-  s += str_cat("  device: peak ", d.peak_flops * 1e-9, " GFLOP/s, half efficiency at ", d.half_efficiency_flops * 1e-6,
-               " MFLOP, launch ", d.launch_overhead * 1e6, " us, memory ", d.mem_bandwidth * 1e-9, " GB/s\n");
+  s += str_cat("  device: rate ", d.peak_flops * 1e-9, " GFLOP/s (keeps the ops' total time; rms ",
+               r.compute_model_rms * 1e6, " us per op), launch ", d.launch_overhead * 1e6, " us, memory ",
+               d.mem_bandwidth * 1e-9, " GB/s\n");
   for (const std::string& n : r.notes) s += "  note: " + n + "\n";
   return s;
 }

@@ -4,20 +4,43 @@
 // Data: the trace's op durations (per rank, per step), the metrics' load (tokens_per_rank: the rows
 // each rank's experts ran) and the model config of the run (the trace does not hold FLOPs). The
 // run's global batch follows from the metrics (sum of tokens_per_expert = B * T * K when dropless).
-// Each op contributes one point: the medians over the run's steps (per rank for compute ops), so a
-// step the machine's other jobs slowed down does not pull the fit. Fits, by ordinary least squares:
-//   compute ops with FLOPs > 0:  t = a + b * flops   ->  peak_flops = 1/b (max_efficiency 1),
-//                                                        half_efficiency_flops = (a - launch) / b
-//   compute ops with no FLOPs:   t = launch + bytes / mem_bandwidth
-//   collectives (per step and op the shortest member duration: the member that arrived last waited
-//   for nobody, so its duration is the transfer alone):
+// Each compute op contributes one point per rank: the medians over the run's steps, so a step the
+// machine's other jobs slowed down does not pull the fit. The device's figures:
+//   FLOP-less ops (embed, dispatch):  t = launch + bytes / mem_bandwidth by ordinary least squares;
+//       where that line is unusable (slope <= 0, intercept < 0 or above the fastest such op) launch is
+//       0 and mem_bandwidth their total bytes over their total time (fit_memory_ops);
+//   ops with FLOPs:  peak_flops is the rate at which the simulator's op time, launch + max(flops /
+//       peak, bytes / mem_bandwidth), sums to the measured time of these ops (fit_compute_rate);
+//       max_efficiency 1, half_efficiency_flops 0. Where no rate can (the FLOP ops ran faster than
+//       launch and memory alone allow: tiny ops), mem_bandwidth becomes 1e15 B/s, then launch 0 (with
+//       notes). One rate for every op kind: the executor times an op from its FLOPs and bytes only,
+//       so the kinds' different rates (on this CPU attention runs at ~30-45 GFLOP/s, the expert GEMMs
+//       at ~80-95) cannot be told apart; the rate keeps the run's total compute and scales every op
+//       in proportion to its FLOPs (within one kind, the expert ops' times are proportional to their
+//       FLOPs: intercepts within +-0.4 ms). The ordinary least squares line t = a + b * flops over
+//       all these ops is reported too (`compute`): its intercept comes from the kinds' different
+//       rates, not from a fixed cost, so it is not used.
+//   collectives: per instance (step, op; instances of one member are skipped) the transfer time
+//     from the last member's arrival to the first member's end; instances during whose transfer time
+//     a member's compute stream ran are left out (the runtime's lanes poll on the cores that compute:
+//     their time is CPU contention, not the link), unless fewer than 3 op names would remain (then
+//     all are used, with a note). Per op name the medians over steps of that time and of the bytes
+//     are one point of
 //     all-to-alls:  t = alpha + x / B, x = bytes sent to other ranks (the trace's bytes, which
 //                   include the rows a rank keeps, times (P-1)/P: an approximation)
-//     allreduce:    t = 2(P-1) alpha + x / B, x = 2(P-1)/P * S   (ring closed form)
-//   jointly for alpha and 1/B. gate_sync is left out (its bytes are not recorded).
+//     allreduce:    t = 2(P-1) alpha + x / B, x = 2(P-1)/P * S   (ring closed form, as the simulator
+//                   runs it; the runtime uses recursive doubling up to 64 KiB)
+//     gate_sync:    t = (P-1) alpha + x / B, x = (P-1) * 8 K E   (ring allgather of the counts; the
+//                   trace records no bytes for it: the simulator's size, load.h)
+//   jointly for alpha and 1/B by least squares.
 // Output: one node of max(P, 8) devices on one PCIe switch, each device link of bandwidth B and
 // latency alpha / 2 (a device-to-device path crosses two), device figures as fitted. Figures that fit
-// negative are clamped (and said so in the description).
+// negative are clamped (and said so in the notes). cores_share (set by the caller, who knows the run's
+// threads and the machine's cores: cpu_share) records how oversubscribed the calibration run's cores
+// were: the figures are those of its ranks as measured, each slowed by that factor.
+//
+// Predicting other configurations of the same machine from the result (shared_cores_cluster,
+// two_node_cluster) is documented at those functions.
 #pragma once
 
 #include <string>
@@ -39,10 +62,13 @@ struct CalibrationResult {
   ClusterSpec cluster;
   int ranks = 0;
   int64_t batch = 0;  // global sequences per step of the run
-  LinearFit compute, memory_ops;
+  LinearFit compute, memory_ops;  // ordinary least squares lines over the ops with / without FLOPs (reported)
+  double compute_model_rms = 0;    // residual rms of the fitted device's op_time over the ops with FLOPs
   double alpha = 0, bandwidth = 0;  // s, bytes/s
   double comm_rms = 0;
-  int comm_points = 0;
+  int comm_points = 0;     // op names in the collective fit
+  int comm_contended = 0;  // op names left out of it (every instance overlapped a member's compute)
+  double cores_share = 1;  // cpu_share of the calibration run (set by the caller that knows the cores)
   std::vector<std::string> notes;  // clamps and approximations applied
 };
 
@@ -54,5 +80,31 @@ Status write_cluster_file(const std::string& path, const ClusterSpec& spec);  //
 
 // Least squares of y on x (n >= 2 points with distinct x; else slope 0, intercept the mean).
 LinearFit fit_line(const std::vector<double>& x, const std::vector<double>& y);
+
+// The FLOP-less ops' launch overhead and memory bandwidth (see the header comment); appends a note
+// when it falls back to launch 0. No points: launch 0, bandwidth 1e15 B/s.
+void fit_memory_ops(const std::vector<double>& bytes, const std::vector<double>& t, double* launch,
+                    double* bandwidth, std::vector<std::string>* notes);
+// The FLOP rate r with sum_i (launch + max(flops_i / r, bytes_i / mem_bandwidth)) = sum_i t_i, to a
+// relative 1e-12; 0 when launch and memory alone exceed the measured total. REQUIRES: mem_bandwidth > 0.
+double fit_compute_rate(const std::vector<double>& flops, const std::vector<double>& bytes, const std::vector<double>& t,
+                        double launch, double mem_bandwidth);
+
+// How much slower each thread runs when `ranks` ranks of `threads_per_rank` compute threads share
+// `cores` cores: max(1, ranks * threads_per_rank / cores). REQUIRES: all >= 1 (std::logic_error).
+double cpu_share(int ranks, int threads_per_rank, int cores);
+// The calibrated cluster for `ranks` ranks on the machine of the calibration run. On a CPU machine the
+// ranks' compute and their shared-memory transfers (copies by the ranks' own cores) both run on its
+// cores: with f = cpu_share(ranks, threads, cores) / cal.cores_share > 1 the device's FLOP rate,
+// memory bandwidth and the device links' bandwidth are divided by f and the launch overhead and link
+// latencies multiplied by f (every rank progresses at 1/f of the calibrated speed; processor sharing
+// of the whole step, not of each op). f <= 1: the calibrated cluster unchanged.
+ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int ranks, int threads_per_rank, int cores);
+// The calibrated device and intra-node links on two nodes of `ranks_per_node` devices each, joined by
+// one NIC per node of link `nic` (its bandwidth in payload bytes/s and latency: an emulated NIC's
+// configured cap is its datasheet) through one non-blocking switch. A flow between the nodes crosses
+// the device link at either end (latency alpha / 2 each, as calibrated) and both NIC ports. Error:
+// ranks_per_node < 1, or a NIC without bandwidth.
+Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSpec nic, ClusterSpec* out);
 
 }  // namespace moe::sim

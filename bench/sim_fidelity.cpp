@@ -1,0 +1,299 @@
+// moe bench sim-fidelity: see bench.h.
+//
+// Calibrate the simulator on one real run on this machine (moe train --ranks 2, the default model,
+// batch 16, EP, 1 thread per rank; src/sim/calibrate.h), then predict other configurations and run
+// them for real in the same process:
+//   the calibration configuration again, 4 ranks, batch x2, 16 experts (all on this machine), and
+//   2 ranks on an emulated cluster of 2 hosts x 1 rank (scripts/cluster.sh, docs/cluster.md) whose
+//   NICs are capped at 1 Gbit/s.
+// Predicted and measured step time: the step graph's wall time (compute + exposed communication, mean
+// over ranks; the optimizer, which neither graph holds, is left out of both), median over the steps
+// after the first; each configuration runs --repeats times (default 5) and each run is predicted with
+// its own load (its metrics file, replayed); the row shows the medians over the runs and error =
+// predicted / measured - 1, and every run's measured time (the machine's noise). The calibration is
+// one run.
+//
+// What the predictions use, all from the calibration run or measured facts:
+//   * this machine: the calibrated cluster; where ranks * threads exceed the cores (hardware_concurrency)
+//     every rank runs slower by ranks * threads / cores relative to the calibration run, its compute and
+//     its shared-memory transfers alike (sim::shared_cores_cluster);
+//   * 2 hosts: the calibrated device and intra-host links, and between the hosts one NIC per host at the
+//     configured cap in payload bytes/s (the cap's bits / 8 over the frame bytes per TCP payload byte at
+//     MTU 1500, 1514 / 1448), latency 0: the emulation adds none (no netem on this kernel; the veth's
+//     own is tens of microseconds) (sim::two_node_cluster). The hosts share this machine's cores.
+// The emulated cluster needs root and network namespaces; without them the row says why it is skipped.
+// The cluster is always brought down (also when a run fails).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "sim/calibrate.h"
+#include "sim/simulate.h"
+#include "util/str_cat.h"
+
+#ifndef MOE_SOURCE_DIR
+#define MOE_SOURCE_DIR ""
+#endif
+
+namespace moe::bench {
+namespace {
+
+constexpr const char* kCluster = "moefid";
+constexpr const char* kNic = "1gbit";
+constexpr double kNicBits = 1e9;                  // kNic in bits/s
+constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
+
+struct Sh {
+  int rc = -1;
+  std::string out;
+};
+
+Sh sh(const std::string& cmd) {
+  Sh r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) r.out.append(buf, n);
+  const int st = pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+  return r;
+}
+
+std::string first_line(std::string s) {
+  if (const size_t nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
+  return s;
+}
+
+std::string cluster_cmd(const std::string& args) {
+  const char* env = std::getenv("MOE_CLUSTER_SCRIPT");
+  const std::string script = env && *env ? env : str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
+  return str_cat("bash ", script, " --name ", kCluster, " ", args);
+}
+
+// The emulated 2-host cluster for the lifetime of the object; `why()` says why there is none.
+class EmulatedCluster {
+ public:
+  EmulatedCluster() {
+    if (geteuid() != 0) {
+      why_ = "needs root (network namespaces, tc)";
+      return;
+    }
+    if (Sh c = sh(cluster_cmd("check")); c.rc != 0) {
+      why_ = "no emulated cluster here: " + first_line(c.out);
+      return;
+    }
+    sh(cluster_cmd("down"));  // a cluster of this name left by an interrupted run
+    Sh up = sh(cluster_cmd(str_cat("up --nodes 2 --ranks-per-node 1 --nic ", kNic)));
+    if (up.rc != 0) {
+      sh(cluster_cmd("down"));
+      why_ = "cluster up failed: " + first_line(up.out);
+      return;
+    }
+    up_ = true;
+  }
+  ~EmulatedCluster() {
+    if (up_) sh(cluster_cmd("down"));
+  }
+  EmulatedCluster(const EmulatedCluster&) = delete;
+  EmulatedCluster& operator=(const EmulatedCluster&) = delete;
+  bool up() const { return up_; }
+  const std::string& why() const { return why_; }
+
+ private:
+  bool up_ = false;
+  std::string why_;
+};
+
+struct Measured {
+  double graph_ms = 0;  // compute + exposed comm, mean over ranks, median over steps after the first
+  double step_ms = 0;   // the runtime's step_ms (optimizer and metrics included), same steps
+  bool ok = false;
+};
+
+// Runs `launch moe train args --metrics metrics [--trace trace]`; returns the medians.
+Measured train(const std::string& launch, const std::string& args, const std::string& metrics,
+               const std::string& trace) {
+  Measured m;
+  std::filesystem::remove(metrics);
+  const std::string cmd = launch + " " + self_exe() + " train " + args + " --metrics " + metrics +
+                          (trace.empty() ? "" : " --trace " + trace);
+  const Sh r = sh(cmd);
+  if (r.rc != 0) {
+    std::fprintf(stderr, "bench sim-fidelity: '%s' failed (exit %d):\n%s", cmd.c_str(), r.rc, r.out.c_str());
+    return m;
+  }
+  std::ifstream in(metrics);
+  std::vector<double> graph, step;
+  std::string line;
+  for (int n = 0; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("step_ms")) continue;
+    if (n++ == 0) continue;  // the first step warms up
+    graph.push_back(j.at("compute_ms").get<double>() + j.at("exposed_comm_ms").get<double>());
+    step.push_back(j.at("step_ms").get<double>());
+  }
+  m.graph_ms = median(graph);
+  m.step_ms = median(step);
+  m.ok = !graph.empty();
+  return m;
+}
+
+std::string local_launch(int ranks) {
+  return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+         "OMP_NUM_THREADS=1 mpirun -n " +
+         std::to_string(ranks);
+}
+
+std::string model_flags(const ModelConfig& m) {
+  return "--seq-len " + std::to_string(m.seq_len) + " --d-model " + std::to_string(m.d_model) + " --layers " +
+         std::to_string(m.n_layers) + " --heads " + std::to_string(m.n_heads) + " --d-ffn " + std::to_string(m.d_ffn) +
+         " --experts " + std::to_string(m.n_experts) + " --top-k " + std::to_string(m.top_k);
+}
+
+// The simulated graph time (same definition and steps as Measured::graph_ms) of `cfg` replaying the
+// recorded load in `metrics`.
+Status predict(sim::SimRunConfig cfg, const std::string& metrics, double* ms) {
+  cfg.load.kind = sim::LoadSpec::Kind::recorded;
+  cfg.load.file = metrics;
+  sim::SimRunResult res;
+  if (Status s = sim::simulate(cfg, &res); !s) return s;
+  std::vector<double> pred;
+  for (size_t k = 1; k < res.steps.size(); ++k) pred.push_back(res.steps[k].mean.compute_ms + res.steps[k].mean.exposed_comm_ms);
+  if (pred.empty()) pred.push_back(res.steps[0].mean.compute_ms + res.steps[0].mean.exposed_comm_ms);
+  *ms = median(pred);
+  return Status::ok();
+}
+
+}  // namespace
+
+int sim_fidelity(const BenchOptions& opt) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moe_bench_sim_fidelity_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = 1;
+  const int steps = 6;
+  const std::string common = "--steps " + std::to_string(steps) + " --log-every " + std::to_string(steps) +
+                             " --eval-batches 1 --threads " + std::to_string(threads) + " --trace-steps " +
+                             std::to_string(steps) + " ";
+  ModelConfig base;  // the default model: T 128, C 128, L 4, F 256, E 8, top-2
+  const int64_t base_batch = 16;
+  const int cal_ranks = 2;
+  std::printf("moe bench sim-fidelity: calibrate on moe train --ranks %d (default model, batch %lld, %d thread per "
+              "rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
+              cal_ranks, (long long)base_batch, threads, cores);
+  const std::string cal_metrics = (dir / "metrics.jsonl").string(), cal_trace = (dir / "trace.json").string();
+  const Measured cal_run = train(local_launch(cal_ranks),
+                                 common + model_flags(base) + " --batch-size " + std::to_string(base_batch),
+                                 cal_metrics, cal_trace);
+  if (!cal_run.ok) return 1;
+  sim::CalibrationResult cal;
+  if (Status s = sim::calibrate(dir.string(), base, &cal); !s) {
+    std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+    return 1;
+  }
+  cal.cores_share = sim::cpu_share(cal_ranks, threads, cores);
+  std::fputs(sim::describe(cal).c_str(), stdout);
+
+  struct Case {
+    std::string name;
+    int ranks;
+    int64_t batch;
+    int64_t experts;
+    bool two_hosts = false;
+  };
+  const std::vector<Case> cases = {{"calibration run (2 ranks)", 2, base_batch, 8},
+                                   {"4 ranks", 4, base_batch, 8},
+                                   {"batch x2 (2 ranks)", 2, 2 * base_batch, 8},
+                                   {"16 experts (2 ranks)", 2, base_batch, 16},
+                                   {"2 hosts x 1 rank, 1 Gbit/s", 2, base_batch, 8, true}};
+  std::printf("\n%-28s %14s %14s %9s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
+              "measured step ms", "measured ms of each run");
+  std::fflush(stdout);
+  int i = 0, failed = 0;
+  for (const Case& c : cases) {
+    ModelConfig m = base;
+    m.n_experts = c.experts;
+    const std::string args = common + model_flags(m) + " --batch-size " + std::to_string(c.batch);
+    sim::SimRunConfig cfg;
+    cfg.model = m;
+    cfg.ranks = c.ranks;
+    cfg.batch = c.batch;
+    cfg.steps = steps - 1;
+    cfg.allreduce_micro_bytes = 256 << 10;  // moe train's default
+    // `runs` real runs of the case (each predicted with its own load); medians over them.
+    const int runs = std::max(1, opt.repeats);
+    std::vector<double> measured, predicted, measured_step;
+    std::string skipped;
+    {
+      std::unique_ptr<EmulatedCluster> cluster;  // down again at the end of this block, whatever happens in it
+      if (c.two_hosts) {
+        cluster = std::make_unique<EmulatedCluster>();
+        if (!cluster->up()) skipped = cluster->why();
+        const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
+        if (Status s = sim::two_node_cluster(cal, c.ranks / 2, nic, &cfg.cluster); !s) {
+          std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+          return 1;
+        }
+      } else {
+        cfg.cluster = sim::shared_cores_cluster(cal, c.ranks, threads, cores);
+      }
+      for (int k = 0; k < runs && skipped.empty(); ++k) {
+        const std::string metrics = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
+        const Measured meas = train(c.two_hosts ? cluster_cmd("run --") : local_launch(c.ranks), args, metrics, "");
+        if (!meas.ok) break;
+        double p = 0;
+        if (Status s = predict(cfg, metrics, &p); !s) {
+          std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+          return 1;
+        }
+        measured.push_back(meas.graph_ms), measured_step.push_back(meas.step_ms), predicted.push_back(p);
+      }
+    }
+    ++i;
+    if (!skipped.empty()) {
+      std::printf("%-28s skipped: %s\n", c.name.c_str(), skipped.c_str());
+      std::fflush(stdout);
+      continue;
+    }
+    if (static_cast<int>(measured.size()) < runs) {
+      std::printf("%-28s failed (a real run; see above)\n", c.name.c_str());
+      ++failed;
+      continue;
+    }
+    const double p = median(predicted), meas = median(measured);
+    std::string all;
+    for (double x : measured) all += str_cat(all.empty() ? "" : " ", static_cast<int>(std::lround(x)));
+    std::printf("%-28s %14.2f %14.2f %+8.1f%% %16.2f   %s\n", c.name.c_str(), p, meas, 100 * (p / meas - 1),
+                median(measured_step), all.c_str());
+    std::fflush(stdout);
+  }
+  std::printf("\npredicted / measured: the step graph's wall time (compute + exposed comm, mean over ranks), median\n"
+              "over steps 2..%d of a run, median over %d runs of the configuration (each predicted with its own\n"
+              "load); measured step ms adds the optimizer and metrics (not in either graph). This machine is shared\n"
+              "with other jobs: runs of one configuration differ by 10-30%% (see the last column).\n",
+              steps, std::max(1, opt.repeats));
+  return failed ? 1 : 0;
+}
+
+}  // namespace moe::bench

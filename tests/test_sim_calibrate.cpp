@@ -1,0 +1,267 @@
+// The calibration's fits (src/sim/calibrate.h) on synthetic runs with known figures: the FLOP-less
+// ops' line and its fallback, the FLOP rate that keeps the ops' total time, the collective fit that
+// leaves out instances overlapping compute, and the clusters derived for other configurations
+// (oversubscribed cores, two nodes).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "graph/ep_builder.h"
+#include "sim/calibrate.h"
+#include "sim/cluster.h"
+#include "sim/compute.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using moe::sim::CalibrationResult;
+using moe::sim::ClusterSpec;
+
+TEST(SimCalibrate, MemoryOpsLineAndItsFallback) {
+  std::vector<std::string> notes;
+  double launch = -1, bw = -1;
+  // An exact line: launch 10 us, 2 GB/s.
+  moe::sim::fit_memory_ops({1e6, 2e6, 4e6}, {10e-6 + 0.5e-3, 10e-6 + 1e-3, 10e-6 + 2e-3}, &launch, &bw, &notes);
+  EXPECT_NEAR(launch, 10e-6, 1e-12);
+  EXPECT_NEAR(bw, 2e9, 1e-3 * 2e9);
+  EXPECT_TRUE(notes.empty());
+  // Time falling with bytes (ops of different kinds): no line; launch 0, bytes over time.
+  moe::sim::fit_memory_ops({1e6, 1e6, 2e6, 2e6}, {300e-6, 300e-6, 100e-6, 100e-6}, &launch, &bw, &notes);
+  EXPECT_EQ(launch, 0);
+  EXPECT_NEAR(bw, 6e6 / 800e-6, 1);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find("fit no line"), std::string::npos) << notes[0];
+  // An intercept above the fastest op is not a launch overhead either.
+  notes.clear();
+  moe::sim::fit_memory_ops({1e6, 1.1e6, 1.2e6}, {1e-3, 1.1e-3, 1.3e-3}, &launch, &bw, &notes);
+  EXPECT_GE(launch, 0);
+  EXPECT_LE(launch, 1e-3);
+  // None: defaults.
+  notes.clear();
+  moe::sim::fit_memory_ops({}, {}, &launch, &bw, &notes);
+  EXPECT_EQ(launch, 0);
+  EXPECT_EQ(bw, 1e15);
+  EXPECT_EQ(notes.size(), 1u);
+}
+
+TEST(SimCalibrate, ComputeRateKeepsTheTotalTime) {
+  // Two kinds at 30 and 90 GFLOP/s: the rate reproduces the sum, whatever the mix.
+  const std::vector<double> flops = {2e8, 2e8, 5e8, 5e8}, bytes = {1e6, 1e6, 2e6, 2e6};
+  const std::vector<double> t = {2e8 / 30e9, 2e8 / 30e9, 5e8 / 90e9, 5e8 / 90e9};
+  const double launch = 5e-6, bw = 1e12;
+  std::vector<double> tl = t;
+  for (double& x : tl) x += launch;
+  const double r = moe::sim::fit_compute_rate(flops, bytes, tl, launch, bw);
+  EXPECT_NEAR(r, 14e8 / std::accumulate(t.begin(), t.end(), 0.0), 1e-6 * r);
+  moe::sim::DeviceSpec d{"x", r, bw, launch, 1, 0};
+  double sum = 0;
+  for (size_t i = 0; i < flops.size(); ++i) sum += moe::sim::op_time(d, flops[i], bytes[i]);
+  EXPECT_NEAR(sum, std::accumulate(tl.begin(), tl.end(), 0.0), 1e-9);
+  // A memory-bound op counts at its memory time: the rate comes from the others.
+  const double r2 = moe::sim::fit_compute_rate({1e9, 1e3}, {0, 1e6}, {1e9 / 50e9, 1e6 / 1e9}, 0, 1e9);
+  EXPECT_NEAR(r2, 50e9, 1e-6 * 50e9);
+  // Launch and memory alone exceed the measured time: 0.
+  EXPECT_EQ(moe::sim::fit_compute_rate({1e9}, {1e9}, {1e-3}, 0, 1e9), 0);
+}
+
+TEST(SimCalibrate, CpuShare) {
+  EXPECT_EQ(moe::sim::cpu_share(2, 1, 2), 1);
+  EXPECT_EQ(moe::sim::cpu_share(4, 1, 2), 2);
+  EXPECT_EQ(moe::sim::cpu_share(3, 2, 4), 1.5);
+  EXPECT_EQ(moe::sim::cpu_share(1, 1, 16), 1);
+  EXPECT_THROW(moe::sim::cpu_share(0, 1, 2), std::logic_error);
+  EXPECT_THROW(moe::sim::cpu_share(1, 1, 0), std::logic_error);
+}
+
+CalibrationResult synthetic_result() {
+  CalibrationResult cal;
+  ClusterSpec& c = cal.cluster;
+  c.name = "calibrated";
+  c.node.devices = 8;
+  c.node.device = {"calibrated", 50e9, 20e9, 1e-5, 1, 0};
+  c.node.switch_socket = {0};
+  c.node.switch_uplink = {4e9, 0};
+  c.node.device_switch.assign(8, 0);
+  c.node.device_pcie = {4e9, 10e-6};
+  cal.alpha = 20e-6;
+  cal.bandwidth = 4e9;
+  return cal;
+}
+
+TEST(SimCalibrate, SharedCoresSlowEveryRankInProportion) {
+  const CalibrationResult cal = synthetic_result();
+  // Within the cores: unchanged.
+  EXPECT_EQ(moe::sim::shared_cores_cluster(cal, 2, 1, 2), cal.cluster);
+  EXPECT_EQ(moe::sim::shared_cores_cluster(cal, 1, 1, 2), cal.cluster);
+  // 4 ranks on 2 cores: compute and transfers at half speed, fixed costs doubled.
+  const ClusterSpec c = moe::sim::shared_cores_cluster(cal, 4, 1, 2);
+  EXPECT_DOUBLE_EQ(c.node.device.peak_flops, 25e9);
+  EXPECT_DOUBLE_EQ(c.node.device.mem_bandwidth, 10e9);
+  EXPECT_DOUBLE_EQ(c.node.device.launch_overhead, 2e-5);
+  EXPECT_DOUBLE_EQ(c.node.device_pcie.bandwidth, 2e9);
+  EXPECT_DOUBLE_EQ(c.node.device_pcie.latency, 20e-6);
+  EXPECT_DOUBLE_EQ(c.node.switch_uplink.bandwidth, 2e9);
+  EXPECT_TRUE(c.validate());
+  // Relative to an oversubscribed calibration run.
+  CalibrationResult over = cal;
+  over.cores_share = 2;
+  EXPECT_EQ(moe::sim::shared_cores_cluster(over, 4, 1, 2), cal.cluster);
+  EXPECT_DOUBLE_EQ(moe::sim::shared_cores_cluster(over, 8, 1, 2).node.device.peak_flops, 25e9);
+}
+
+TEST(SimCalibrate, TwoNodesJoinedAtTheNicsCap) {
+  const CalibrationResult cal = synthetic_result();
+  ClusterSpec c;
+  ASSERT_TRUE(moe::sim::two_node_cluster(cal, 1, {119.6e6, 0}, &c));
+  EXPECT_EQ(c.nodes, 2);
+  EXPECT_EQ(c.node.devices, 1);
+  EXPECT_EQ(c.node.device, cal.cluster.node.device);
+  const moe::sim::Cluster cluster(c);
+  const std::vector<int> path = cluster.route(0, 1);
+  EXPECT_DOUBLE_EQ(cluster.path_bandwidth(path), 119.6e6);
+  EXPECT_NEAR(cluster.path_latency(path), cal.alpha, 1e-15);  // alpha / 2 at either end, nothing added
+  // Two ranks per node: intra-node pairs keep the calibrated link.
+  ASSERT_TRUE(moe::sim::two_node_cluster(cal, 2, {1e9, 5e-6}, &c));
+  const moe::sim::Cluster c2(c);
+  EXPECT_DOUBLE_EQ(c2.path_bandwidth(c2.route(0, 1)), 4e9);
+  EXPECT_NEAR(c2.path_latency(c2.route(0, 2)), cal.alpha + 2 * 5e-6, 1e-15);
+  EXPECT_FALSE(moe::sim::two_node_cluster(cal, 0, {1e9, 0}, &c));
+  EXPECT_FALSE(moe::sim::two_node_cluster(cal, 1, {0, 0}, &c));
+}
+
+// A synthetic 2-rank run of a small model whose op times follow known figures: compute ops at one
+// rate (launch + max(flops / rate, bytes / bw)), FLOP-less ops on a line, collectives on alpha + x / B;
+// the gradient allreduces run during compute and take 5x their transfer time (contention).
+class SyntheticRun : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("moe_sim_calibrate_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    model_.seq_len = 8;
+    model_.d_model = 16;
+    model_.n_layers = 2;
+    model_.n_heads = 2;
+    model_.d_ffn = 32;
+    model_.n_experts = 4;
+    model_.top_k = 2;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  void write_run() {
+    const int P = 2, steps = 3;
+    const int64_t batch = 4, N = batch / P * model_.seq_len;
+    moe::graph::EpStepOptions opt;
+    opt.world = P;
+    opt.ep_size = P;
+    opt.batch = batch / P;
+    const moe::graph::EpStep step = moe::graph::build_ep_step(model_, opt);
+    nlohmann::json events = nlohmann::json::array();
+    std::ofstream metrics(dir_ / "metrics.jsonl");
+    for (int s = 1; s <= steps; ++s) {
+      // Rows per rank per MoE layer: uneven, varying by step; the experts' counts sum to B T K.
+      std::vector<std::vector<int64_t>> per_rank, per_expert;
+      for (int64_t l = 0; l < model_.n_layers; ++l) {
+        const int64_t total = N * P * model_.top_k, r0 = total / 2 + 4 * (s + l);
+        per_rank.push_back({r0, total - r0});
+        per_expert.push_back({r0 / 2, r0 - r0 / 2, (total - r0) / 2, total - r0 - (total - r0) / 2});
+      }
+      metrics << nlohmann::json{{"step", s}, {"tokens_per_rank", per_rank}, {"tokens_per_expert", per_expert}}.dump()
+              << "\n";
+      double t0 = s * 1.0;  // each step in its own second
+      for (const moe::graph::Op& op : step.graph.ops) {
+        const std::string kind = moe::graph::op_kind_name(op.kind), name = step.graph.op_name(op);
+        if (!moe::graph::is_communication(op.kind)) {
+          for (int r = 0; r < P; ++r) {
+            double flops = op.cost.flops;
+            if (op.kind == moe::graph::OpKind::expert_fwd || op.kind == moe::graph::OpKind::expert_bwd)
+              flops = (op.kind == moe::graph::OpKind::expert_fwd ? 1 : 2) * 2 * 2 * double(per_rank[op.layer][r]) *
+                      model_.d_model * model_.d_ffn;
+            const double bytes = double(op.cost.bytes);
+            const double t = kLaunch + (flops > 0 ? std::max(flops / kRate, bytes / kMemBw) : bytes / kMemBw);
+            events.push_back(event(r, 0, t0, t, name, "compute", kind, s, op.cost.bytes));
+          }
+          // The allreduces queued so far run during this op, slowed by it.
+          for (auto& [ar_name, ar_bytes] : pending_)
+            for (int r = 0; r < P; ++r)
+              events.push_back(event(r, 2, t0, 5 * allreduce_time(ar_bytes, P), ar_name, "communication",
+                                     "grad_allreduce", s, ar_bytes));
+          pending_.clear();
+          t0 += 2e-3;
+          continue;
+        }
+        if (op.kind == moe::graph::OpKind::grad_allreduce) {
+          pending_.push_back({name, op.cost.bytes});
+          if (s == 1) ++allreduce_names_;
+          continue;
+        }
+        // Token exchanges and gate_sync: both members from t0, transfer time by the figures; the
+        // exchange bytes differ per op so that the fit sees a slope.
+        int64_t bytes = 0;
+        double t = 0;
+        if (op.kind == moe::graph::OpKind::gate_sync) {
+          t = (P - 1) * kAlpha + (P - 1) * 8.0 * model_.top_k * model_.n_experts / kLinkBw;
+        } else {
+          bytes = 4096 * (1 + op.id % 7);
+          t = kAlpha + bytes * (P - 1.0) / P / kLinkBw;
+        }
+        for (int r = 0; r < P; ++r) events.push_back(event(r, 1, t0, t + 1e-4 * r, name, "communication", kind, s, bytes));
+        t0 += 2e-3;
+      }
+    }
+    std::ofstream(dir_ / "trace.json") << nlohmann::json{{"traceEvents", events}}.dump();
+  }
+
+  static double allreduce_time(int64_t bytes, int P) {
+    return 2 * (P - 1) * kAlpha + 2.0 * (P - 1) / P * bytes / kLinkBw;
+  }
+  static nlohmann::json event(int pid, int tid, double ts, double dur, const std::string& name, const char* cat,
+                              const std::string& kind, int step, int64_t bytes) {
+    return {{"ph", "X"}, {"pid", pid}, {"tid", tid}, {"ts", ts * 1e6}, {"dur", dur * 1e6}, {"name", name}, {"cat", cat},
+            {"args", {{"kind", kind}, {"step", step}, {"bytes", bytes}}}};
+  }
+
+  static constexpr double kRate = 40e9, kMemBw = 8e9, kLaunch = 20e-6, kAlpha = 30e-6, kLinkBw = 3e9;
+  fs::path dir_;
+  moe::ModelConfig model_;
+  std::vector<std::pair<std::string, int64_t>> pending_;
+  int allreduce_names_ = 0;
+};
+
+TEST_F(SyntheticRun, RecoversTheFiguresAndLeavesOutContendedCollectives) {
+  write_run();
+  CalibrationResult cal;
+  const moe::Status s = moe::sim::calibrate(dir_.string(), model_, &cal);
+  ASSERT_TRUE(s) << s.message();
+  EXPECT_EQ(cal.ranks, 2);
+  EXPECT_EQ(cal.batch, 4);
+  const moe::sim::DeviceSpec& d = cal.cluster.node.device;
+  EXPECT_NEAR(d.launch_overhead, kLaunch, 1e-9);
+  EXPECT_NEAR(d.mem_bandwidth, kMemBw, 1e-3 * kMemBw);
+  EXPECT_NEAR(d.peak_flops, kRate, 1e-3 * kRate);
+  EXPECT_EQ(d.half_efficiency_flops, 0);
+  EXPECT_LT(cal.compute_model_rms, 1e-8);
+  // The allreduces overlapped compute: left out; the rest gives the link exactly (the first member
+  // to end ended alpha + x / B after the last arrived).
+  ASSERT_GE(allreduce_names_, 3);
+  EXPECT_EQ(cal.comm_contended, allreduce_names_);
+  EXPECT_NEAR(cal.alpha, kAlpha, 1e-9);
+  EXPECT_NEAR(cal.bandwidth, kLinkBw, 1e-3 * kLinkBw);
+  EXPECT_LT(cal.comm_rms, 1e-9);
+  EXPECT_EQ(cal.cluster.node.device_pcie.bandwidth, cal.bandwidth);
+  EXPECT_NEAR(cal.cluster.node.device_pcie.latency, kAlpha / 2, 1e-12);
+  EXPECT_TRUE(cal.cluster.validate());
+  EXPECT_NE(moe::sim::describe(cal).find("left out: overlapped compute"), std::string::npos);
+}
+
+}  // namespace
