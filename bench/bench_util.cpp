@@ -4,6 +4,8 @@
 #include <algorithm>
 
 #include "bench/bench.h"
+#include "bench/mpi_bench.h"
+#include "comm/mpi_communicator.h"
 
 namespace moe::bench {
 
@@ -17,6 +19,19 @@ std::string self_exe() {
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
   return n > 0 ? std::string(buf, n) : "moe";
+}
+
+void check(const Status& st) {
+  if (!st) comm::abort_job(st);
+}
+
+double time_calls(MPI_Comm raw, int iters, const std::function<void()>& call) {
+  MPI_Barrier(raw);
+  double t0 = MPI_Wtime();
+  for (int i = 0; i < iters; ++i) call();
+  double t = (MPI_Wtime() - t0) / iters;
+  MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, raw);
+  return t;
 }
 
 }  // namespace moe::bench

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/mpi_bench.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/topology.h"
@@ -41,20 +42,6 @@ namespace moe::bench {
 namespace {
 
 constexpr int64_t kMinBytes = 1 << 10, kMaxBytes = 64 << 20;
-
-void check(const Status& st) {
-  if (!st) comm::abort_job(st);
-}
-
-// Seconds per call: the slowest rank's mean over `iters` calls.
-double time_calls(MPI_Comm raw, int iters, const std::function<void()>& call) {
-  MPI_Barrier(raw);
-  double t0 = MPI_Wtime();
-  for (int i = 0; i < iters; ++i) call();
-  double t = (MPI_Wtime() - t0) / iters;
-  MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, raw);
-  return t;
-}
 
 // Exact in float and different for every (src, dst, i).
 float pattern(int src, int dst, int64_t i) {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/mpi_bench.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "comm/sparse_collectives.h"
@@ -46,20 +47,6 @@ namespace {
 constexpr int kChunksPerRank = 8;
 constexpr int64_t kMinChunkBytes = 64 << 10, kMaxChunkBytes = 16 << 20;
 constexpr double kLambdas[] = {0.125, 0.25, 0.5, 1.0};
-
-void check(const Status& st) {
-  if (!st) comm::abort_job(st);
-}
-
-// Seconds per call: the slowest rank's mean over `iters` calls.
-double time_calls(MPI_Comm raw, int iters, const std::function<void()>& call) {
-  MPI_Barrier(raw);
-  double t0 = MPI_Wtime();
-  for (int i = 0; i < iters; ++i) call();
-  double t = (MPI_Wtime() - t0) / iters;
-  MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, raw);
-  return t;
-}
 
 int64_t sum_over_ranks(MPI_Comm raw, int64_t v) {
   MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT64_T, MPI_SUM, raw);
