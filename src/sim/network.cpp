@@ -15,11 +15,6 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// A link's fair share during water-filling, ordered by share, then link id (ties broken by id, so the
-// order of fixing never depends on anything but the inputs).
-using Share = std::pair<double, int>;  // (share, link)
-using ShareAfter = std::greater<Share>;
-
 std::vector<double> bandwidths(const Cluster& cluster) {
   std::vector<double> v;
   for (const Link& l : cluster.links()) v.push_back(l.bandwidth);
@@ -87,6 +82,7 @@ int Network::start_flow(std::vector<int> path, double bytes, double alpha, doubl
     id = static_cast<int>(flows_.size());
     flows_.emplace_back();
     hot_.emplace_back();
+    region_tag_.push_back(0);
   }
   Flow& f = flows_[id];
   Hot& hot = hot_[id];
@@ -140,10 +136,12 @@ std::vector<int> Network::advance(double t) {
         str_cat("sim::Network::advance: t (", t, ") must be in [now (", now_, "), next event (", next, ")]"));
   }
   now_ = t;
-  std::vector<int> ended;  // popped in (time, id) order, and every popped time is t: ascending ids
-  while (!events_.empty() && events_.top_time() <= t) {
-    const int id = events_.top();
-    events_.pop();
+  // Every event at t, in (time, id) order, and every such time is t: ascending ids. Handling them
+  // adds no event (a flow that starts transferring gets its end time at the next settle()), so they
+  // can be taken out at once.
+  std::vector<int> ended;
+  events_.pop_until(t, &due_);
+  for (const int id : due_) {
     Flow& f = flows_[id];
     if (f.transferring) {
       for (const Hop& h : path(id)) {
@@ -210,32 +208,66 @@ void Network::mark_dirty(int id) {
 void Network::settle() {
   if (dirty_links_.empty()) return;
   ++epoch_;
+  if (++region_epoch_ == 0) {  // the 32-bit epoch wrapped: old tags could match again
+    std::fill(region_tag_.begin(), region_tag_.end(), 0);
+    region_epoch_ = 1;
+  }
   // Flows below `floor` keep their rates. When flows only ended since the last settle, that is every
   // flow slower than the slowest that ended: in water-filling, removing a flow of rate r changes
   // nothing below level r (the links it crossed only gain share, the others are untouched until then).
   // A flow that starts transferring can change flows of any rate, so then nothing is frozen.
   // (With weights, "rate" reads "level", rate / weight: water-filling raises levels evenly.)
-  const double floor = started_since_settle_ ? 0.0 : min_ended_level_;
+  // The floor sits a margin far above rounding below the slowest ended level: flows at that same
+  // level (bottlenecked with an ended flow) can gain, and their levels, computed at other links or
+  // divided by other weights, may come out a few ulps below it; freezing those would keep them slow
+  // for good (seen: a flow left at a ninth of its max-min rate).
+  const double floor = started_since_settle_ ? 0.0 : min_ended_level_ * (1 - 1e-9);
   started_since_settle_ = false;
   min_ended_level_ = kInf;
 
-  // The region: every link reachable from a dirty link through flows not frozen, and those flows.
-  // Regions that no dirty link reaches face the same capacities as before and keep their rates.
+  // The region: every link reachable from a seed link through flows not frozen, and those flows.
+  // Regions that no seed reaches face the same capacities as before and keep their rates. The seeds
+  // are the dirty links, except, when flows only ended, those that had slack before (load below
+  // bandwidth, with a margin far above rounding): such a link was no flow's bottleneck, so what the
+  // ended flows free there lets no flow go faster. (The flows kept outside the region still have
+  // their bottleneck links, saturated and unchanged; the region's flows stay at levels >= floor, as
+  // their old rates remain feasible; so the result is max-min fair.) A slack link that the region
+  // reaches anyway is recomputed with it; the others only update their load (slack_links_).
   region_links_.clear();
   region_flows_.clear();
+  slack_links_.clear();
+  r_links_.clear();
+  r_flows_.clear();
+  r_link_flows_.clear();
+  r_flow_links_.clear();
+  const uint64_t epoch = epoch_;
+  // Marks a link as in the region and gives it its region index.
+  auto add_link = [&](int l) {
+    scratch_[l].mark = epoch;
+    scratch_[l].index = static_cast<int>(region_links_.size());
+    region_links_.push_back(l);
+  };
   for (int l : dirty_links_) {
     links_[l].dirty = false;
-    if (scratch_[l].mark != epoch_) {
-      scratch_[l].mark = epoch_;
-      region_links_.push_back(l);
+    if (scratch_[l].mark != epoch) {
+      if (floor > 0 && links_[l].load < links_[l].bandwidth * (1 - 1e-9)) {
+        slack_links_.push_back(l);
+        continue;
+      }
+      add_link(l);
     }
   }
   dirty_links_.clear();
-  // Water-filling (below) starts from what the frozen flows leave of each link; that is summed in
-  // the same pass, as a flow on a region link is in the region exactly when it is not below `floor`.
+  // One pass over the region links' flow lists finds the region and copies it into compact arrays
+  // (r_*: by region index, links and flows in the order found, each link's flows in list order), so
+  // that water-filling, which visits every (link, flow) pair again, stays in a few cache-resident
+  // arrays instead of the network-wide ones. Water-filling starts from what the frozen flows leave of
+  // each link; that is summed in the same pass, as a flow on a region link is in the region exactly
+  // when it is not below `floor`.
   Hot* const hot = hot_.data();
-  const uint64_t epoch = epoch_;
-  std::vector<Share>& heap = share_heap_;  // (share, link): ties by link id
+  uint64_t* const tag = region_tag_.data();
+  const uint64_t in_region = static_cast<uint64_t>(region_epoch_) << 32;
+  std::vector<ShareKey>& heap = share_heap_;
   heap.clear();
   for (size_t i = 0; i < region_links_.size(); ++i) {
     const int l = region_links_[i];
@@ -243,32 +275,34 @@ void Network::settle() {
     double frozen_load = 0;
     int unfixed = 0;
     double unfixed_weight = 0;
+    const int begin = static_cast<int>(r_link_flows_.size());
     for (const auto& [f, hop] : links_[l].flows) {
-      Hot& h = hot[f];
-      if (h.mark != epoch) {
+      int index;
+      if ((tag[f] & ~uint64_t{0xffffffff}) == in_region) {
+        index = static_cast<int>(tag[f] & 0xffffffff);
+      } else {
+        const Hot& h = hot[f];
         if (floor > 0 && h.rate / h.weight < floor) {
           cap -= h.rate;
           frozen_load += h.rate;
           continue;
         }
-        h.mark = epoch;
+        index = static_cast<int>(region_flows_.size());
+        tag[f] = in_region | static_cast<uint32_t>(index);
         region_flows_.push_back(f);
-        for (const Hop& hp : path(f)) {
-          if (scratch_[hp.link].mark != epoch) {
-            scratch_[hp.link].mark = epoch;
-            region_links_.push_back(hp.link);
-          }
+        const std::span<const Hop> hops = path(f);
+        r_flows_.push_back({h.weight, 0, static_cast<int>(r_flow_links_.size()), static_cast<int>(hops.size()), false});
+        for (const Hop& hp : hops) {
+          if (scratch_[hp.link].mark != epoch) add_link(hp.link);
+          r_flow_links_.push_back(scratch_[hp.link].index);
         }
       }
+      r_link_flows_.push_back(index);
       ++unfixed;
-      unfixed_weight += h.weight;
+      unfixed_weight += r_flows_[index].weight;
     }
-    LinkScratch& ls = scratch_[l];
-    ls.cap_left = cap;
-    ls.new_load = frozen_load;
-    ls.unfixed = unfixed;
-    ls.unfixed_weight = unfixed_weight;
-    if (unfixed > 0) heap.push_back({std::max(0.0, cap / unfixed_weight), l});
+    r_links_.push_back({cap, unfixed_weight, frozen_load, unfixed, begin, static_cast<int>(r_link_flows_.size())});
+    if (unfixed > 0) heap.push_back({std::max(0.0, cap / unfixed_weight), l, static_cast<int>(i)});
   }
 
   // Water-filling over the region, on what the frozen flows leave of each link: repeatedly take the
@@ -278,55 +312,73 @@ void Network::settle() {
   // link whose share has grown since is pushed back with it, and a link is processed only when its key
   // is its share and the smallest (ties by link id). That takes each flow to its max-min rate with one
   // heap entry per link, not one per update.
-  std::make_heap(heap.begin(), heap.end(), ShareAfter());
+  std::make_heap(heap.begin(), heap.end(), ShareKey::after);
   while (!heap.empty()) {
-    std::pop_heap(heap.begin(), heap.end(), ShareAfter());
-    const int l = heap.back().second;
-    const double key = heap.back().first;
+    std::pop_heap(heap.begin(), heap.end(), ShareKey::after);
+    const ShareKey top = heap.back();
     heap.pop_back();
-    if (scratch_[l].unfixed == 0) continue;
-    const double share = std::max(0.0, scratch_[l].cap_left / scratch_[l].unfixed_weight);
-    if (share != key) {
-      heap.push_back({share, l});
-      std::push_heap(heap.begin(), heap.end(), ShareAfter());
+    RegionLink& rl = r_links_[top.index];
+    if (rl.unfixed == 0) continue;
+    const double share = std::max(0.0, rl.cap_left / rl.unfixed_weight);
+    if (share != top.share) {
+      heap.push_back({share, top.link, top.index});
+      std::push_heap(heap.begin(), heap.end(), ShareKey::after);
       continue;
     }
-    for (const auto& [f, hop] : links_[l].flows) {
-      Hot& h = hot[f];
-      if (h.mark != epoch || h.fixed == epoch) continue;
-      h.fixed = epoch;
-      const double w = h.weight;
-      h.new_rate = w * share;
-      for (const Hop& hp : path(f)) {
-        LinkScratch& ls = scratch_[hp.link];
-        ls.cap_left -= w * share;
-        ls.new_load += w * share;
-        --ls.unfixed;
-        ls.unfixed_weight -= w;
+    for (int k = rl.flows_begin; k < rl.flows_end; ++k) {
+      RegionFlow& rf = r_flows_[r_link_flows_[k]];
+      if (rf.fixed) continue;
+      rf.fixed = true;
+      const double w = rf.weight;
+      rf.new_rate = w * share;
+      for (int p = rf.links_begin; p < rf.links_begin + rf.n_links; ++p) {
+        RegionLink& x = r_links_[r_flow_links_[p]];
+        x.cap_left -= w * share;
+        x.new_load += w * share;
+        --x.unfixed;
+        x.unfixed_weight -= w;
       }
     }
   }
 
-  // Apply: links account the bytes carried at their old load; flows whose rate changed account their
-  // progress at the old rate and get a new end time; links take their load from water-filling (their
-  // frozen flows' rates plus the rates fixed on them).
-  for (int l : region_links_) {
-    LinkState& link = links_[l];
+  // Apply: links account the bytes carried at their old load and take their load from water-filling
+  // (their frozen flows' rates plus the rates fixed on them); flows whose rate changed account their
+  // progress at the old rate and get a new end time.
+  for (size_t i = 0; i < region_links_.size(); ++i) {
+    LinkState& link = links_[region_links_[i]];
     link.carried += link.load * (now_ - link.load_since);
     link.load_since = now_;
+    link.load = r_links_[i].new_load;
   }
-  for (int id : region_flows_) {
+  // Many new end times at once (a collective's flows start or end together) are cheaper to place by
+  // reordering the whole queue once than by moving each.
+  const bool reorder = region_flows_.size() * 8 > static_cast<size_t>(events_.size());
+  for (size_t j = 0; j < region_flows_.size(); ++j) {
+    const int id = region_flows_[j];
     Hot& h = hot[id];
-    const double r = h.new_rate;
+    const double r = r_flows_[j].new_rate;
     if (r == h.rate) continue;
     Flow& f = flows_[id];
     f.bytes_left = std::max(0.0, f.bytes_left - h.rate * (now_ - f.updated));
     f.updated = now_;
     h.rate = r;
     f.event_time = r > 0 ? now_ + f.bytes_left / r : kInf;
-    events_.set(id, f.event_time);
+    if (reorder) {
+      events_.set_unordered(id, f.event_time);
+    } else {
+      events_.set(id, f.event_time);
+    }
   }
-  for (int l : region_links_) links_[l].load = scratch_[l].new_load;
+  if (reorder) events_.reorder();
+  for (int l : slack_links_) {
+    if (scratch_[l].mark == epoch) continue;  // recomputed in the region
+    LinkState& link = links_[l];
+    link.carried += link.load * (now_ - link.load_since);
+    link.load_since = now_;
+    double load = 0;
+    for (const auto& [f, hop] : link.flows) load += hot[f].rate;
+    link.load = load;
+  }
   rates_computed_ += region_flows_.size();
 }
 
@@ -372,6 +424,55 @@ void Network::EventQueue::set(int flow, double time) {
       down(i, e);
     }
   }
+}
+
+void Network::EventQueue::set_unordered(int flow, double time) {
+  if (flow >= static_cast<int>(pos_.size())) pos_.resize(flow + 1, -1);
+  if (pos_[flow] < 0) {
+    pos_[flow] = static_cast<int>(heap_.size());
+    heap_.push_back({time, flow});
+  } else {
+    heap_[pos_[flow]].time = time;
+  }
+}
+
+void Network::EventQueue::reorder() {
+  // Floyd's heap construction: sift down every inner node, last first.
+  for (size_t i = heap_.size() / 4 + 1; i-- > 0;) {
+    if (i < heap_.size()) down(i, heap_[i]);
+  }
+}
+
+void Network::EventQueue::pop_until(double t, std::vector<int>* out) {
+  out->clear();
+  if (heap_.empty() || heap_.front().time > t) return;
+  // The entries with time <= t form a subtree at the root: find them without moving anything.
+  taken_.clear();
+  stack_.assign(1, 0);
+  while (!stack_.empty()) {
+    const size_t i = stack_.back();
+    stack_.pop_back();
+    if (heap_[i].time > t) continue;
+    taken_.push_back(heap_[i]);
+    for (size_t c = 4 * i + 1; c < std::min(4 * i + 5, heap_.size()); ++c) stack_.push_back(c);
+  }
+  std::sort(taken_.begin(), taken_.end(), [](const Entry& a, const Entry& b) { return less(a, b); });
+  for (const Entry& e : taken_) out->push_back(e.flow);
+  // Few: pop them one by one. Many: drop them and rebuild the heap from the rest.
+  if (taken_.size() * 8 <= heap_.size()) {
+    for (size_t k = 0; k < taken_.size(); ++k) pop();
+    return;
+  }
+  size_t kept = 0;
+  for (const Entry& e : heap_) {
+    if (e.time > t) {
+      place(kept++, e);
+    } else {
+      pos_[e.flow] = -1;
+    }
+  }
+  heap_.resize(kept);
+  reorder();
 }
 
 void Network::EventQueue::pop() {

@@ -7,7 +7,9 @@
 //
 // Rates change only when a flow starts transferring or ends, and only for the flows connected to it
 // (transitively, through shared links); when flows only ended, only for those at least as fast as the
-// slowest that ended (slower ones cannot gain: see settle()). Only that region is recomputed, lazily,
+// slowest that ended (slower ones cannot gain; equal up to rounding counts as as fast) and reached from
+// a link that was saturated (a link with slack was nobody's bottleneck): see settle(). Only that region
+// is recomputed, lazily,
 // once for all the changes made at the same simulated time. The result equals recomputing every flow
 // from scratch (up to rounding); tests/test_sim_network.cpp checks it on random flow sets. Cost per
 // event: the region's flows times their path lengths, times a log for the event queue.
@@ -90,15 +92,11 @@ class Network {
     bool transferring = false;
     bool live = false;
   };
-  // What settle() reads of a flow for every link it crosses, packed in one cache line's worth
-  // (by flow id): its rate, weight, and settle()'s scratch. Marks compare to `epoch_`.
-  // The path lives here too when it is short (most are), so settle() finds it in the same lines.
+  // What settle() reads of a flow when it finds it, packed together (by flow id): its rate, weight,
+  // and its path when it is short (most are).
   struct alignas(64) Hot {
     double rate = 0;
     double weight = 1;  // shares of a link's fair share (see start_flow)
-    double new_rate = 0;
-    uint64_t mark = 0;   // in settle()'s region
-    uint64_t fixed = 0;  // rate fixed by water-filling
     int n_hops = 0;
     Hop hops[kInlineHops];
   };
@@ -123,8 +121,15 @@ class Network {
     bool empty() const { return heap_.empty(); }
     int top() const { return heap_.front().flow; }
     double top_time() const { return heap_.front().time; }
+    int size() const { return static_cast<int>(heap_.size()); }
     void set(int flow, double time);  // insert or move
     void pop();
+    // Takes out every entry with time <= t and appends their flows to `out` in (time, id) order.
+    void pop_until(double t, std::vector<int>* out);
+    // Many moves at once: set_unordered() any number of entries, then reorder() once, O(size) instead
+    // of a log per move; top() and pop() are valid only after reorder().
+    void set_unordered(int flow, double time);
+    void reorder();
 
    private:
     struct Entry {
@@ -142,6 +147,8 @@ class Network {
     }
     std::vector<Entry> heap_;
     std::vector<int> pos_;  // by flow id; -1 when absent
+    std::vector<size_t> stack_;  // pop_until()'s scratch
+    std::vector<Entry> taken_;   // pop_until()'s scratch
   };
 
   void check_flow(const char* fn, int flow) const;
@@ -165,15 +172,47 @@ class Network {
   // Scratch of settle(), kept to avoid allocating per event. Marks compare to `epoch_`.
   uint64_t epoch_ = 0;
   struct LinkScratch {
-    uint64_t mark = 0;     // in the region (or seen by start_flow's check)
-    double cap_left = 0;   // capacity not yet given to a flow
-    double unfixed_weight = 0;  // of its flows not fixed yet
-    double new_load = 0;   // the sum of the rates set on it
-    int unfixed = 0;       // its flows not fixed yet
+    uint64_t mark = 0;  // in the region (or seen by start_flow's check)
+    int index = 0;      // its index in the region, when marked
   };
   std::vector<LinkScratch> scratch_;  // by link
-  std::vector<int> region_links_, region_flows_;
-  std::vector<std::pair<double, int>> share_heap_;  // water-filling's heap: (share, link)
+  // By flow id: (region_epoch_ << 32) | its region index while in settle()'s region. settle() reads
+  // it for every (link, flow) pair of the region; 8 bytes a flow stay in cache where Hot would not.
+  std::vector<uint64_t> region_tag_;
+  uint32_t region_epoch_ = 0;
+  std::vector<int> region_links_, region_flows_;  // ids, by region index
+  // The region in compact form: links and flows by region index, each link's flows and each flow's
+  // links as region indices (CSR), and water-filling's state.
+  struct RegionLink {
+    double cap_left;        // capacity not yet given to a flow
+    double unfixed_weight;  // of its flows not fixed yet
+    double new_load;        // the sum of the rates set on it (frozen flows' included)
+    int unfixed;            // its flows not fixed yet
+    int flows_begin, flows_end;  // in r_link_flows_
+  };
+  struct RegionFlow {
+    double weight;
+    double new_rate;
+    int links_begin, n_links;  // in r_flow_links_
+    bool fixed;                // rate fixed by water-filling
+  };
+  std::vector<RegionLink> r_links_;
+  std::vector<RegionFlow> r_flows_;
+  std::vector<int> r_link_flows_, r_flow_links_;
+  // Water-filling's heap entry: a link's fair share, ordered by share, then link id (ties broken by
+  // id, so the order of fixing never depends on anything but the inputs).
+  struct ShareKey {
+    double share;
+    int link;
+    int index;  // region index
+    // Heap order for std::*_heap: a min-heap on (share, link).
+    static bool after(const ShareKey& a, const ShareKey& b) {
+      return a.share > b.share || (a.share == b.share && a.link > b.link);
+    }
+  };
+  std::vector<ShareKey> share_heap_;
+  std::vector<int> slack_links_;  // dirty links left out of the seeds (settle())
+  std::vector<int> due_;          // advance()'s scratch: the flows with an event at t
   // Since the last settle(): whether a flow started transferring, the smallest level of those that ended.
   bool started_since_settle_ = false;
   double min_ended_level_ = std::numeric_limits<double>::infinity();  // rate / weight
