@@ -39,13 +39,11 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/emulated_cluster.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
+#include "util/shell.h"
 #include "util/str_cat.h"
-
-#ifndef MOE_SOURCE_DIR
-#define MOE_SOURCE_DIR ""
-#endif
 
 namespace moe::bench {
 namespace {
@@ -53,63 +51,11 @@ namespace {
 constexpr const char* kCluster = "moebench";
 constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
 
-std::string script() {
-  if (const char* s = std::getenv("MOE_CLUSTER_SCRIPT"); s && *s) return s;
-  return str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
+// Prints why the bench cannot run when `cluster` is not up; returns cluster.up().
+bool usable(const EmulatedCluster& cluster, const char* bench) {
+  if (!cluster.up()) std::fprintf(stderr, "moe bench %s: %s\n", bench, cluster.why().c_str());
+  return cluster.up();
 }
-
-struct Result {
-  int rc = -1;
-  std::string out;
-};
-
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) r.out.append(buf, n);
-  int st = pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-  return r;
-}
-
-std::string cluster_cmd(const std::string& args) { return str_cat("bash ", script(), " --name ", kCluster, " ", args); }
-
-// Builds the bench's cluster for the lifetime of the object; `ok()` false with the reason printed.
-class BenchCluster {
- public:
-  BenchCluster(const char* bench, const std::string& nic) {
-    if (geteuid() != 0) {
-      std::fprintf(stderr, "moe bench %s: needs root (it builds an emulated cluster of network namespaces, "
-                   "scripts/cluster.sh); run it as root\n", bench);
-      return;
-    }
-    if (Result c = sh(cluster_cmd("check")); c.rc != 0) {
-      std::fprintf(stderr, "moe bench %s: no emulated cluster here: %s", bench, c.out.c_str());
-      return;
-    }
-    sh(cluster_cmd("down"));  // a cluster of this name left by an interrupted run of this bench
-    Result up = sh(cluster_cmd(str_cat("up --nodes 2 --ranks-per-node 1 --nic ", nic)));
-    if (up.rc != 0) {
-      std::fprintf(stderr, "moe bench %s: cluster up failed: %s", bench, up.out.c_str());
-      return;
-    }
-    ok_ = true;
-  }
-  ~BenchCluster() {
-    if (ok_) sh(cluster_cmd("down"));
-  }
-  bool ok() const { return ok_; }
-  bool shape(const std::string& nic) const {
-    Result r = sh(cluster_cmd("shape --nic " + nic));
-    if (r.rc != 0) std::fprintf(stderr, "moe bench: cluster shape --nic %s failed: %s", nic.c_str(), r.out.c_str());
-    return r.rc == 0;
-  }
-
- private:
-  bool ok_ = false;
-};
 
 void check(const Status& st) {
   if (!st) comm::abort_job(st);
@@ -212,9 +158,10 @@ TrainRow train_row(const std::string& name, const std::string& launch, int steps
   std::filesystem::remove(metrics);
   std::string cmd = str_cat(launch, " ", self_exe(), " train --steps ", steps, " --log-every ", steps,
                             " --eval-batches 1 --threads 1 --metrics ", metrics);
-  Result r = sh(cmd);
-  if (r.rc != 0) {
-    std::fprintf(stderr, "moe bench cluster-ep-training: '%s' failed (exit %d):\n%s", cmd.c_str(), r.rc, r.out.c_str());
+  const ShellResult r = run_shell(cmd);
+  if (r.exit_code != 0) {
+    std::fprintf(stderr, "moe bench cluster-ep-training: '%s' failed (exit %d):\n%s", cmd.c_str(), r.exit_code,
+                 r.output.c_str());
     return row;
   }
   std::vector<double> step, compute, exposed, comm;
@@ -235,8 +182,8 @@ TrainRow train_row(const std::string& name, const std::string& launch, int steps
 
 int cluster_collectives(const BenchOptions& opt) {
   if (std::getenv("OMPI_COMM_WORLD_SIZE")) return collectives_ranks(opt);
-  BenchCluster cluster("cluster-collectives", "200mbit");
-  if (!cluster.ok()) return 1;
+  const EmulatedCluster cluster(kCluster, "200mbit");
+  if (!usable(cluster, "cluster-collectives")) return 1;
   std::printf("# moe bench cluster-collectives: 2 emulated hosts x 1 rank (scripts/cluster.sh), float32, median of %d "
               "rounds; alltoallv and allreduce alone and at the same time on the same link\n",
               opt.repeats);
@@ -244,25 +191,26 @@ int cluster_collectives(const BenchOptions& opt) {
   int failed = 0;
   for (const char* nic : {"200mbit", "1gbit"}) {
     if (!cluster.shape(nic)) return 1;
-    Result r = sh(cluster_cmd(str_cat("run -- ", self_exe(), " bench cluster-collectives --repeats ", opt.repeats)));
+    const std::string job = str_cat("run -- ", self_exe(), " bench cluster-collectives --repeats ", opt.repeats);
+    const ShellResult r = run_shell(cluster.command(job));
     // Only the table: the launch line goes to stderr, merged here.
     std::string table;
-    for (size_t at = 0; at < r.out.size();) {
-      size_t end = r.out.find('\n', at);
-      std::string line = r.out.substr(at, end == std::string::npos ? std::string::npos : end - at + 1);
+    for (size_t at = 0; at < r.output.size();) {
+      size_t end = r.output.find('\n', at);
+      std::string line = r.output.substr(at, end == std::string::npos ? std::string::npos : end - at + 1);
       if (line.rfind("moe cluster:", 0) != 0) table += line;
-      at = end == std::string::npos ? r.out.size() : end + 1;
+      at = end == std::string::npos ? r.output.size() : end + 1;
     }
     std::printf("%s", table.c_str());
     std::fflush(stdout);
-    if (r.rc != 0) std::printf("# cap %s: the job failed (exit %d)\n", nic, r.rc), ++failed;
+    if (r.exit_code != 0) std::printf("# cap %s: the job failed (exit %d)\n", nic, r.exit_code), ++failed;
   }
   return failed ? 1 : 0;
 }
 
 int cluster_ep_training(const BenchOptions& opt) {
-  BenchCluster cluster("cluster-ep-training", "100mbit");
-  if (!cluster.ok()) return 1;
+  const EmulatedCluster cluster(kCluster, "100mbit");
+  if (!usable(cluster, "cluster-ep-training")) return 1;
   const int steps = 15, warmup = 3;
   std::printf("# moe bench cluster-ep-training: moe train, default model and corpus, 2 ranks x 1 thread, %d steps "
               "(medians after %d); 2 emulated hosts x 1 rank at each NIC cap vs 2 ranks on one host\n",
@@ -274,7 +222,7 @@ int cluster_ep_training(const BenchOptions& opt) {
                            steps, warmup));
   for (const char* nic : {"100mbit", "1gbit", "10gbit"}) {
     if (!cluster.shape(nic)) return 1;
-    rows.push_back(train_row(str_cat("2 hosts, NIC ", nic), cluster_cmd("run --"), steps, warmup));
+    rows.push_back(train_row(str_cat("2 hosts, NIC ", nic), cluster.command("run --"), steps, warmup));
   }
   std::printf("%-24s %9s %11s %17s %9s %12s\n", "run", "step ms", "compute ms", "exposed comm ms", "comm ms",
               "vs 1 host");

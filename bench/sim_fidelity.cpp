@@ -23,7 +23,6 @@
 //     own is tens of microseconds) (sim::two_node_cluster). The hosts share this machine's cores.
 // The emulated cluster needs root and network namespaces; without them the row says why it is skipped.
 // The cluster is always brought down (also when a run fails).
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,13 +39,11 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/emulated_cluster.h"
 #include "sim/calibrate.h"
 #include "sim/simulate.h"
+#include "util/shell.h"
 #include "util/str_cat.h"
-
-#ifndef MOE_SOURCE_DIR
-#define MOE_SOURCE_DIR ""
-#endif
 
 namespace moe::bench {
 namespace {
@@ -56,66 +53,10 @@ constexpr const char* kNic = "1gbit";
 constexpr double kNicBits = 1e9;                  // kNic in bits/s
 constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
 
-struct Sh {
-  int rc = -1;
-  std::string out;
-};
-
-Sh sh(const std::string& cmd) {
-  Sh r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) r.out.append(buf, n);
-  const int st = pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-  return r;
-}
-
 std::string first_line(std::string s) {
   if (const size_t nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
   return s;
 }
-
-std::string cluster_cmd(const std::string& args) {
-  const char* env = std::getenv("MOE_CLUSTER_SCRIPT");
-  const std::string script = env && *env ? env : str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
-  return str_cat("bash ", script, " --name ", kCluster, " ", args);
-}
-
-// The emulated 2-host cluster for the lifetime of the object; `why()` says why there is none.
-class EmulatedCluster {
- public:
-  EmulatedCluster() {
-    if (geteuid() != 0) {
-      why_ = "needs root (network namespaces, tc)";
-      return;
-    }
-    if (Sh c = sh(cluster_cmd("check")); c.rc != 0) {
-      why_ = "no emulated cluster here: " + first_line(c.out);
-      return;
-    }
-    sh(cluster_cmd("down"));  // a cluster of this name left by an interrupted run
-    Sh up = sh(cluster_cmd(str_cat("up --nodes 2 --ranks-per-node 1 --nic ", kNic)));
-    if (up.rc != 0) {
-      sh(cluster_cmd("down"));
-      why_ = "cluster up failed: " + first_line(up.out);
-      return;
-    }
-    up_ = true;
-  }
-  ~EmulatedCluster() {
-    if (up_) sh(cluster_cmd("down"));
-  }
-  EmulatedCluster(const EmulatedCluster&) = delete;
-  EmulatedCluster& operator=(const EmulatedCluster&) = delete;
-  bool up() const { return up_; }
-  const std::string& why() const { return why_; }
-
- private:
-  bool up_ = false;
-  std::string why_;
-};
 
 struct Measured {
   double graph_ms = 0;  // compute + exposed comm, mean over ranks, median over steps after the first
@@ -130,9 +71,9 @@ Measured train(const std::string& launch, const std::string& args, const std::st
   std::filesystem::remove(metrics);
   const std::string cmd = launch + " " + self_exe() + " train " + args + " --metrics " + metrics +
                           (trace.empty() ? "" : " --trace " + trace);
-  const Sh r = sh(cmd);
-  if (r.rc != 0) {
-    std::fprintf(stderr, "bench sim-fidelity: '%s' failed (exit %d):\n%s", cmd.c_str(), r.rc, r.out.c_str());
+  const ShellResult r = run_shell(cmd);
+  if (r.exit_code != 0) {
+    std::fprintf(stderr, "bench sim-fidelity: '%s' failed (exit %d):\n%s", cmd.c_str(), r.exit_code, r.output.c_str());
     return m;
   }
   std::ifstream in(metrics);
@@ -248,8 +189,8 @@ int sim_fidelity(const BenchOptions& opt) {
     {
       std::unique_ptr<EmulatedCluster> cluster;  // down again at the end of this block, whatever happens in it
       if (c.two_hosts) {
-        cluster = std::make_unique<EmulatedCluster>();
-        if (!cluster->up()) skipped = cluster->why();
+        cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);
+        if (!cluster->up()) skipped = first_line(cluster->why());
         const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
         if (Status s = sim::two_node_cluster(cal, c.ranks / 2, nic, &cfg.cluster); !s) {
           std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
@@ -260,7 +201,7 @@ int sim_fidelity(const BenchOptions& opt) {
       }
       for (int k = 0; k < runs && skipped.empty(); ++k) {
         const std::string metrics = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
-        const Measured meas = train(c.two_hosts ? cluster_cmd("run --") : local_launch(c.ranks), args, metrics, "");
+        const Measured meas = train(c.two_hosts ? cluster->command("run --") : local_launch(c.ranks), args, metrics, "");
         if (!meas.ok) break;
         double p = 0;
         if (Status s = predict(cfg, metrics, &p); !s) {

@@ -1,7 +1,5 @@
 // `moe train` end to end through the real binary: bad input gets one clear message and a non-zero
 // exit with nothing written; a tiny run trains; resume gives exactly the run that never stopped.
-#include <sys/wait.h>
-
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -10,24 +8,15 @@
 
 #include <gtest/gtest.h>
 
+#include "util/shell.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int exit_code;
-  std::string output;  // stdout and stderr together
-};
+using Result = moe::ShellResult;
 
-Result run_moe(const std::string& args) {
-  std::string cmd = std::string(MOE_BIN) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128, out};
-}
+Result run_moe(const std::string& args) { return moe::run_shell(std::string(MOE_BIN) + " " + args); }
 
 std::string read_file(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);

@@ -28,34 +28,21 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
+#include "util/shell.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using moe::run_shell;
+using moe::ShellResult;
 
 const char* helper_case() { return std::getenv("MOE_CLUSTER_HELPER"); }
 
 const std::string& cluster_name() {
   static const std::string name = "mt" + std::to_string(::getpid() % 1000000);
   return name;
-}
-
-struct Result {
-  int rc = -1;
-  std::string out;
-};
-
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) r.out.append(buf, n);
-  int st = pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-  return r;
 }
 
 // `cluster.sh --name <ours> ARGS`, bounded in time.
@@ -72,9 +59,9 @@ std::set<std::string> words(const std::string& s) {
 }
 
 // Interface names of the machine's own namespace.
-std::set<std::string> host_links() { return words(sh("ip -o link show | awk -F': ' '{print $2}'").out); }
+std::set<std::string> host_links() { return words(run_shell("ip -o link show | awk -F': ' '{print $2}'").output); }
 
-std::string pids_in(const std::string& ns) { return sh("ip netns pids " + ns).out; }
+std::string pids_in(const std::string& ns) { return run_shell("ip netns pids " + ns).output; }
 
 // A process that runs (a killed one may stay a zombie until its new parent, init, reaps it: dead).
 bool alive(const std::string& pid) {
@@ -112,9 +99,9 @@ class ClusterEmulation : public ::testing::Test {
       skip_ = "not root: the emulated cluster needs root (network namespaces, tc)";
       return;
     }
-    Result check = sh(cl("check"));
-    if (check.rc != 0) {
-      skip_ = "no emulated cluster on this machine: " + check.out;
+    ShellResult check = run_shell(cl("check"));
+    if (check.exit_code != 0) {
+      skip_ = "no emulated cluster on this machine: " + check.output;
       return;
     }
     // Clusters of earlier runs of this test that were killed before their TearDown (a ctest
@@ -123,16 +110,16 @@ class ClusterEmulation : public ::testing::Test {
     for (const auto& e : fs::directory_iterator("/run/moe-cluster", ec)) {
       std::string n = e.path().filename().string();
       if (std::regex_match(n, std::regex("mt[0-9]+")) && !fs::exists("/proc/" + n.substr(2)))
-        sh("timeout -k 5 60 bash " + std::string(MOE_TEST_DIR) + "/../scripts/cluster.sh --name " + n + " down");
+        run_shell("timeout -k 5 60 bash " + std::string(MOE_TEST_DIR) + "/../scripts/cluster.sh --name " + n + " down");
     }
     links_before_ = host_links();
-    sh(cl("down"));  // ours from an earlier run with the same pid, if any
-    Result up = sh(cl("up --nodes 2 --ranks-per-node 1 --nic 200mbit"));
-    up_ok_ = up.rc == 0;
-    up_out_ = up.out;
+    run_shell(cl("down"));  // ours from an earlier run with the same pid, if any
+    ShellResult up = run_shell(cl("up --nodes 2 --ranks-per-node 1 --nic 200mbit"));
+    up_ok_ = up.exit_code == 0;
+    up_out_ = up.output;
   }
   static void TearDownTestSuite() {
-    if (up_ok_) sh(cl("down"));
+    if (up_ok_) run_shell(cl("down"));
   }
   void SetUp() override {
     if (helper_case()) GTEST_SKIP() << "a helper run";
@@ -163,9 +150,9 @@ class ClusterEmulation : public ::testing::Test {
       f.out += buf;
       if (!faulted && std::string(buf).rfind("step   100/", 0) == 0) {
         faulted = true;
-        Result r = sh(cl(fault));
+        ShellResult r = run_shell(cl(fault));
         fault_at = Clock::now();
-        f.out += "[test] cluster.sh " + fault + ": " + r.out;
+        f.out += "[test] cluster.sh " + fault + ": " + r.output;
       }
     }
     int st = pclose(p);
@@ -192,15 +179,15 @@ class ClusterEmulation : public ::testing::Test {
 // MPI_COMM_TYPE_SHARED), the ranks talk over TCP, and the losses equal one process's.
 TEST_F(ClusterEmulation, TrainingOnTwoHostsEqualsOneProcess) {
   const std::string args = tiny_model() + "--steps 6 --warmup-steps 2 --log-every 1";
-  Result ref = sh("timeout -k 5 120 " + std::string(MOE_BIN) + " train" + args);
-  ASSERT_EQ(ref.rc, 0) << ref.out;
-  Result two = sh(cl("run -- " + std::string(MOE_BIN) + " train" + args, 120));
-  ASSERT_EQ(two.rc, 0) << two.out;
-  EXPECT_NE(two.out.find("topology: 2 nodes x 1 rank"), std::string::npos) << two.out;
-  EXPECT_NE(two.out.find("ranks: 2"), std::string::npos) << two.out;
-  auto a = losses(ref.out), b = losses(two.out);
-  ASSERT_EQ(a.size(), 6u) << ref.out;
-  ASSERT_EQ(a.size(), b.size()) << two.out;
+  ShellResult ref = run_shell("timeout -k 5 120 " + std::string(MOE_BIN) + " train" + args);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ShellResult two = run_shell(cl("run -- " + std::string(MOE_BIN) + " train" + args, 120));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("topology: 2 nodes x 1 rank"), std::string::npos) << two.output;
+  EXPECT_NE(two.output.find("ranks: 2"), std::string::npos) << two.output;
+  auto a = losses(ref.output), b = losses(two.output);
+  ASSERT_EQ(a.size(), 6u) << ref.output;
+  ASSERT_EQ(a.size(), b.size()) << two.output;
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
   std::printf("  2 emulated hosts x 1 rank vs 1 process: 6 steps, max |loss diff| %.2e (final %.4f vs %.4f)\n", worst,
@@ -213,16 +200,16 @@ TEST_F(ClusterEmulation, TrainingOnTwoHostsEqualsOneProcess) {
 // the 200 Mbit/s cap predicts, within 15% (shared memory between the namespaces would be ~10x faster).
 TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
   std::string self = fs::read_symlink("/proc/self/exe").string();
-  Result r = sh("MOE_CLUSTER_HELPER=alltoall " +
+  ShellResult r = run_shell("MOE_CLUSTER_HELPER=alltoall " +
                 cl("run -- " + self + " --gtest_filter=ClusterEmulationHelper.Run --gtest_color=no", 120));
-  ASSERT_EQ(r.rc, 0) << r.out;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(alltoall: ([0-9.]+) MiB each way, median ([0-9.]+) s, cap predicts ([0-9.]+) s)")))
-      << r.out;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(alltoall: ([0-9.]+) MiB each way, median ([0-9.]+) s, cap predicts ([0-9.]+) s)")))
+      << r.output;
   double measured = std::stod(m[2]), predicted = std::stod(m[3]);
   std::printf("  alltoallv, %s MiB each way at 200 Mbit/s: %.3f s measured, %.3f s predicted, ratio %.3f\n",
               m[1].str().c_str(), measured, predicted, measured / predicted);
-  EXPECT_NEAR(measured / predicted, 1.0, 0.15) << r.out;
+  EXPECT_NEAR(measured / predicted, 1.0, 0.15) << r.output;
 }
 
 // A host whose link is cut mid-step: rank 0's collective times out naming rank 1, and the job ends
@@ -230,7 +217,7 @@ TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
 TEST_F(ClusterEmulation, CutLinkEndsTheJobNamingTheLostRank) {
   const int timeout_s = 3;
   FaultRun f = run_with_fault("cut n1", timeout_s);
-  sh(cl("heal n1"));
+  run_shell(cl("heal n1"));
   std::printf("  cut n1: exit %d, %.1f s after the cut (comm timeout %d s)\n", f.rc, f.after_fault_s, timeout_s);
   ASSERT_GE(f.after_fault_s, 0) << "the job never reached step 100:\n" << f.out;
   EXPECT_NE(f.rc, 0) << f.out;
@@ -259,16 +246,15 @@ TEST_F(ClusterEmulation, KilledHostEndsTheJobNamingTheLostRank) {
 TEST_F(ClusterEmulation, RefusesToTouchWhatItDidNotMake) {
   const std::string other = cluster_name() + "x";
   const std::string foreign = other + "-n0";
-  ASSERT_EQ(sh("ip netns add " + foreign).rc, 0);
-  Result up = sh("timeout -k 5 30 bash " + std::string(MOE_TEST_DIR) + "/../scripts/cluster.sh --name " + other +
-                 " up --nodes 2");
-  Result down = sh("timeout -k 5 30 bash " + std::string(MOE_TEST_DIR) + "/../scripts/cluster.sh --name " + other +
-                   " down");
-  std::string list = sh("ip netns list").out;
-  sh("ip netns delete " + foreign);
-  EXPECT_NE(up.rc, 0) << up.out;
-  EXPECT_NE(up.out.find("was not made by this cluster; refusing"), std::string::npos) << up.out;
-  EXPECT_EQ(down.rc, 0) << down.out;
+  ASSERT_EQ(run_shell("ip netns add " + foreign).exit_code, 0);
+  const std::string script = "timeout -k 5 30 bash " + std::string(MOE_TEST_DIR) + "/../scripts/cluster.sh --name ";
+  ShellResult up = run_shell(script + other + " up --nodes 2");
+  ShellResult down = run_shell(script + other + " down");
+  std::string list = run_shell("ip netns list").output;
+  run_shell("ip netns delete " + foreign);
+  EXPECT_NE(up.exit_code, 0) << up.output;
+  EXPECT_NE(up.output.find("was not made by this cluster; refusing"), std::string::npos) << up.output;
+  EXPECT_EQ(down.exit_code, 0) << down.output;
   EXPECT_NE(words(list).count(foreign), 0u) << "the foreign namespace was removed:\n" << list;
   EXPECT_EQ(words(list).count(other + "-head"), 0u) << list;
 }
@@ -277,22 +263,23 @@ TEST_F(ClusterEmulation, RefusesToTouchWhatItDidNotMake) {
 TEST_F(ClusterEmulation, DownLeavesNothing) {
   const std::string n = cluster_name();
   // Something running on each host, as a job would leave behind.
-  for (const char* host : {"-n0", "-n1"}) sh("ip netns exec " + n + host + " sh -c 'sleep 600 >/dev/null 2>&1 &'");
+  for (const char* host : {"-n0", "-n1"})
+    run_shell("ip netns exec " + n + host + " sh -c 'sleep 600 >/dev/null 2>&1 &'");
   std::string pids = pids_in(n + "-n0") + " " + pids_in(n + "-n1");
   EXPECT_EQ(words(pids).size(), 2u) << pids;
-  Result down = sh(cl("down"));
-  ASSERT_EQ(down.rc, 0) << down.out;
+  ShellResult down = run_shell(cl("down"));
+  ASSERT_EQ(down.exit_code, 0) << down.output;
   for (const std::string& pid : words(pids)) EXPECT_FALSE(alive(pid)) << "process " << pid << " survived";
-  std::string list = sh("ip netns list").out;
+  std::string list = run_shell("ip netns list").output;
   for (const char* ns : {"-head", "-n0", "-n1"}) {
     EXPECT_EQ(words(list).count(n + ns), 0u) << list;
     EXPECT_FALSE(fs::exists("/etc/netns/" + n + ns));
   }
   EXPECT_FALSE(fs::exists("/run/moe-cluster/" + n));
   EXPECT_EQ(host_links(), links_before_) << "the machine's own links changed";
-  Result again = sh(cl("down"));
-  EXPECT_EQ(again.rc, 0) << again.out;
-  EXPECT_NE(again.out.find("nothing to do"), std::string::npos) << again.out;
+  ShellResult again = run_shell(cl("down"));
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("nothing to do"), std::string::npos) << again.output;
 }
 
 // ---- the alltoall job's ranks ----

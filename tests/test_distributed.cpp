@@ -9,7 +9,6 @@
 #include <map>
 #include <regex>
 #include <string>
-#include <sys/wait.h>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -21,28 +20,21 @@
 
 #include "graph/ep_builder.h"
 #include "model/checkpoint.h"
+#include "util/shell.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TrainRun {
-  int exit_code;
-  std::string output;
-};
+using moe::run_shell;
+using TrainRun = moe::ShellResult;
 
 // Runs `moe train ARGS` on `ranks` MPI ranks (ranks == 0: no mpirun at all), bounded in time.
 TrainRun train(int ranks, const std::string& args, const std::string& extra_env = "") {
   std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 " +
                     extra_env + " ";
   std::string launch = ranks > 0 ? std::string(MOE_MPIEXEC) + " -n " + std::to_string(ranks) + " " : "";
-  std::string cmd = env + "timeout -k 5 240 " + launch + MOE_BIN + " train " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128, out};
+  return run_shell(env + "timeout -k 5 240 " + launch + MOE_BIN + " train " + args);
 }
 
 std::vector<double> losses(const std::string& out) {
@@ -284,13 +276,7 @@ TEST_F(Distributed, RanksThatDisagreeStopSayingWhatDiffers) {
   auto mpmd = [&](const std::string& rank0, const std::string& rank1) {
     std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
                       "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 ";
-    std::string cmd = env + MOE_MPIEXEC + " -n 1 " + rank0 + " : -n 1 " + rank1 + " 2>&1";
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-    int st = pclose(p);
-    return TrainRun{WIFEXITED(st) ? WEXITSTATUS(st) : 128, out};
+    return run_shell(env + MOE_MPIEXEC + " -n 1 " + rank0 + " : -n 1 " + rank1);
   };
   const std::string base = model_flags() + "--steps 2 ";
   const std::string moe_train = std::string(MOE_BIN) + " train ";

@@ -2,7 +2,6 @@
 // --calibrate on a real 2-rank run whose cluster file `moe sim --cluster FILE` then loads.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,26 +13,17 @@
 #include <nlohmann/json.hpp>
 
 #include "sim/calibrate.h"
+#include "util/shell.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using moe::run_shell;
+using moe::ShellResult;
 
-struct Result {
-  int code;
-  std::string output;
-};
-
-Result run(const std::string& cmd) {
-  const std::string full = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                           "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 " +
-                           cmd + " 2>&1";
-  FILE* p = popen(full.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : 128, out};
+ShellResult run(const std::string& cmd) {
+  return run_shell("env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                   "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 " + cmd);
 }
 
 class SimCli : public ::testing::Test {
@@ -50,9 +40,9 @@ class SimCli : public ::testing::Test {
 
 TEST_F(SimCli, ReportsMetricsAndTrace) {
   const fs::path metrics = dir_ / "m.jsonl", trace = dir_ / "t.json";
-  const Result r = run(std::string(MOE_BIN) + " sim --cluster p4d.24xlarge --nodes 2 --load zipf-drift:1.2,1 --steps 4 " +
+  const ShellResult r = run(std::string(MOE_BIN) + " sim --cluster p4d.24xlarge --nodes 2 --load zipf-drift:1.2,1 --steps 4 " +
                        "--metrics " + metrics.string() + " --trace " + trace.string());
-  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* line : {"cluster   p4d.24xlarge: 2 node(s) x 8 A100-SXM4-40GB", "strategy  ep: 16 ranks, ep groups of 8",
                            "step time (ms)", "critical path", "all-to-all", "most utilised links", "nic"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
@@ -92,8 +82,8 @@ TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {
       {"sim --calibrate /nonexistent", "--calibrate needs --out"},
   };
   for (const Case& c : cases) {
-    const Result r = run(moe + " " + c.args);
-    EXPECT_EQ(r.code, 1) << c.args << "\n" << r.output;
+    const ShellResult r = run(moe + " " + c.args);
+    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_EQ(r.output.find("step time"), std::string::npos) << c.args;
   }
@@ -101,26 +91,26 @@ TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {
 
 TEST_F(SimCli, CalibratesOnARealRunAndTheClusterFileLoads) {
   const std::string model = "--seq-len 32 --d-model 32 --layers 2 --heads 2 --d-ffn 64 --experts 4 --top-k 2";
-  Result r = run(std::string(MOE_BIN) + " train --ranks 2 --data " MOE_TEST_DIR "/../docs/model.md " + model +
+  ShellResult r = run(std::string(MOE_BIN) + " train --ranks 2 --data " MOE_TEST_DIR "/../docs/model.md " + model +
                  " --batch-size 8 --steps 4 --trace-steps 4 --eval-batches 1 --threads 1 --metrics " +
                  (dir_ / "metrics.jsonl").string() + " --trace " + (dir_ / "trace.json").string());
-  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   const fs::path model_file = dir_ / "model.json", cluster = dir_ / "cluster.json";
   std::ofstream(model_file) << R"({"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ffn": 64, "n_experts": 4, "top_k": 2})";
   r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --model " + model_file.string() + " --out " +
           cluster.string());
-  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("calibration of a 2-rank run, batch 8 sequences"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("compute ops ("), std::string::npos) << r.output;
   r = run(std::string(MOE_BIN) + " sim --cluster " + cluster.string() + " --ranks 2 --batch 8 --steps 2 --model " +
           model_file.string() + " --load " + (dir_ / "metrics.jsonl").string());
-  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("cluster   calibrated: 1 node(s) x 8 calibrated (pcie)"), std::string::npos) << r.output;
   // A calibration against the wrong model is an error naming the op it cannot place.
   std::ofstream(dir_ / "other.json") << R"({"seq_len": 32, "d_model": 32, "n_layers": 3, "n_heads": 2, "d_ffn": 64, "n_experts": 4, "top_k": 2})";
   r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --model " + (dir_ / "other.json").string() +
           " --out " + (dir_ / "x.json").string());
-  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
 }
 
 TEST(SimCalibrate, FitLineRecoversALine) {

@@ -3,7 +3,6 @@
 // metrics and trace.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 
 #include "graph/ep_builder.h"
 #include "sim/load.h"
+#include "util/shell.h"
 
 namespace moe::sim {
 namespace {
@@ -182,13 +182,9 @@ TEST(SimLoad, RecordedLoadGivesTheRealRunsExchangeBytes) {
       "timeout -k 5 120 " MOE_BIN " train --ranks 2 --data " MOE_TEST_DIR "/../docs/model.md "
       "--seq-len 16 --d-model 16 --layers 2 --heads 2 --d-ffn 32 --experts 4 --top-k 2 --batch-size 8 "
       "--router-skew 1.0 --steps 3 --trace-steps 3 --eval-batches 1 --threads 1 --metrics " +
-      metrics.string() + " --trace " + trace.string() + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string output;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) output.append(buf, n);
-  const int st = pclose(p);
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << output;
+      metrics.string() + " --trace " + trace.string();
+  const ShellResult run = run_shell(cmd);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
 
   ModelConfig cfg;
   cfg.seq_len = 16, cfg.d_model = 16, cfg.n_layers = 2, cfg.n_heads = 2, cfg.d_ffn = 32, cfg.n_experts = 4;

@@ -1,0 +1,53 @@
+// The benchmarks' emulated cluster: see emulated_cluster.h.
+#include "bench/emulated_cluster.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "util/shell.h"
+#include "util/str_cat.h"
+
+#ifndef MOE_SOURCE_DIR
+#define MOE_SOURCE_DIR ""
+#endif
+
+namespace moe::bench {
+
+EmulatedCluster::EmulatedCluster(std::string name, const std::string& nic) : name_(std::move(name)) {
+  if (geteuid() != 0) {
+    why_ = "needs root (it builds an emulated cluster of network namespaces, scripts/cluster.sh); run it as root";
+    return;
+  }
+  if (ShellResult c = run_shell(command("check")); c.exit_code != 0) {
+    why_ = "no emulated cluster here: " + c.output;
+    return;
+  }
+  run_shell(command("down"));  // a cluster of this name left by an interrupted run
+  if (ShellResult u = run_shell(command(str_cat("up --nodes 2 --ranks-per-node 1 --nic ", nic))); u.exit_code != 0) {
+    run_shell(command("down"));
+    why_ = "cluster up failed: " + u.output;
+    return;
+  }
+  up_ = true;
+}
+
+EmulatedCluster::~EmulatedCluster() {
+  if (up_) run_shell(command("down"));
+}
+
+bool EmulatedCluster::shape(const std::string& nic) const {
+  const ShellResult r = run_shell(command("shape --nic " + nic));
+  if (r.exit_code != 0)
+    std::fprintf(stderr, "moe bench: cluster shape --nic %s failed: %s", nic.c_str(), r.output.c_str());
+  return r.exit_code == 0;
+}
+
+std::string EmulatedCluster::command(const std::string& args) const {
+  const char* env = std::getenv("MOE_CLUSTER_SCRIPT");
+  const std::string script = env && *env ? env : str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
+  return str_cat("bash ", script, " --name ", name_, " ", args);
+}
+
+}  // namespace moe::bench

@@ -1,0 +1,32 @@
+// The emulated cluster the benchmarks run on (scripts/cluster.sh, docs/cluster.md): 2 hosts x 1 rank
+// joined by NICs capped at a rate, built by the constructor and removed by the destructor, whatever
+// happens in between. Needs root and network namespaces; without them up() is false and why() says why.
+#pragma once
+
+#include <string>
+
+namespace moe::bench {
+
+class EmulatedCluster {
+ public:
+  // name: the cluster's (cluster.sh --name); a cluster of that name left by an interrupted run is
+  // removed first. nic: the cap, e.g. "1gbit".
+  EmulatedCluster(std::string name, const std::string& nic);
+  ~EmulatedCluster();
+  EmulatedCluster(const EmulatedCluster&) = delete;
+  EmulatedCluster& operator=(const EmulatedCluster&) = delete;
+
+  bool up() const { return up_; }
+  const std::string& why() const { return why_; }  // empty when up()
+  // Re-caps every link of the running cluster; false (with the reason on stderr) when that failed.
+  bool shape(const std::string& nic) const;
+  // The shell command `cluster.sh --name <name> args` (e.g. args "run --" prefixes a job).
+  std::string command(const std::string& args) const;
+
+ private:
+  std::string name_;
+  bool up_ = false;
+  std::string why_;
+};
+
+}  // namespace moe::bench
