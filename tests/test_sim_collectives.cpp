@@ -12,50 +12,12 @@
 #include <vector>
 
 #include "sim/collectives.h"
+#include "sim_test_clusters.h"
 
 namespace moe::sim {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// One node of `devices` devices on one PCIe switch (fast, so that NVLink or the NICs decide).
-ClusterSpec node_spec(int devices) {
-  ClusterSpec c;
-  c.name = "test";
-  NodeSpec& n = c.node;
-  n.devices = devices;
-  n.device = DeviceSpec{"test-gpu", 100e12, 1e12, 0, 1, 0};
-  n.sockets = 1;
-  n.switch_socket = {0};
-  n.switch_uplink = {1e12, 0};
-  n.device_switch.assign(devices, 0);
-  n.device_pcie = {1e12, 0};
-  return c;
-}
-
-// p devices joined in a ring by one NVLink each between i and i+1: every ring step crosses its own
-// link of bandwidth B and latency alpha.
-ClusterSpec ring_spec(int p, double B, double alpha) {
-  ClusterSpec c = node_spec(p);
-  c.node.interconnect = Interconnect::nvlink;
-  c.node.nvlink = {B, alpha};
-  c.node.nvlink_links.assign(p, std::vector<int>(p, 0));
-  for (int i = 0; i < p; ++i) {
-    c.node.nvlink_links[i][(i + 1) % p] = 1;
-    c.node.nvlink_links[(i + 1) % p][i] = 1;
-  }
-  return c;
-}
-
-// p devices on a switch (a star): each has one link of bandwidth B to it and one from it, latency
-// alpha/2 each.
-ClusterSpec star_spec(int p, double B, double alpha) {
-  ClusterSpec c = node_spec(p);
-  c.node.interconnect = Interconnect::nvswitch;
-  c.node.nvlink = {B, alpha / 2};
-  c.node.nvswitch_links = 1;
-  return c;
-}
 
 std::vector<int> iota(int n) {
   std::vector<int> v(n);

@@ -14,6 +14,7 @@
 #include "runtime/trace.h"
 #include "sim/executor.h"
 #include "sim/load.h"
+#include "sim_test_clusters.h"
 
 namespace moe::sim {
 namespace {
@@ -25,45 +26,11 @@ using graph::OpKind;
 using graph::StepGraph;
 
 // A device that computes 1e14 FLOP/s at any size, no launch overhead: flops / 1e14 seconds.
-DeviceSpec unit_device() { return DeviceSpec{"test-gpu", 100e12, 1e15, 0, 1, 0}; }
-
-ClusterSpec node_spec(int devices) {
-  ClusterSpec c;
-  c.name = "test";
-  NodeSpec& n = c.node;
-  n.devices = devices;
-  n.device = unit_device();
-  n.sockets = 1;
-  n.switch_socket = {0};
-  n.switch_uplink = {1e12, 0};
-  n.device_switch.assign(devices, 0);
-  n.device_pcie = {1e12, 0};
-  return c;
-}
-
-ClusterSpec star_spec(int p, double B, double alpha) {
-  ClusterSpec c = node_spec(p);
-  c.node.interconnect = Interconnect::nvswitch;
-  c.node.nvlink = {B, alpha / 2};
-  c.node.nvswitch_links = 1;
-  return c;
-}
-
-ClusterSpec ring_spec(int p, double B, double alpha) {
-  ClusterSpec c = node_spec(p);
-  c.node.interconnect = Interconnect::nvlink;
-  c.node.nvlink = {B, alpha};
-  c.node.nvlink_links.assign(p, std::vector<int>(p, 0));
-  for (int i = 0; i < p; ++i) {
-    c.node.nvlink_links[i][(i + 1) % p] = 1;
-    c.node.nvlink_links[(i + 1) % p][i] = 1;
-  }
-  return c;
-}
+DeviceSpec unit_device() { return test_device(1e15); }
 
 // Two nodes of one device each, one NIC per node of bandwidth B: both ranks' traffic crosses it.
 ClusterSpec two_nodes_one_nic(double B) {
-  ClusterSpec c = node_spec(1);
+  ClusterSpec c = node_spec(1, unit_device());
   c.nodes = 2;
   c.node.nic_switch = {0};
   c.node.nic_pcie = {1e12, 0};
@@ -112,7 +79,7 @@ constexpr double kNs = 2e-9;  // timelines are whole nanoseconds
 // when its last member reaches it, while each member's op runs from the moment it reached it.
 TEST(SimExecutor, FifoDepsAndCollectivesWaitForTheLastMember) {
   const double B = 1e9;
-  const Cluster cluster(star_spec(2, B, 0));
+  const Cluster cluster(star_spec(2, B, 0, unit_device()));
   std::vector<StepGraph> g(2);
   for (int r = 0; r < 2; ++r) {
     g[r].add_stream("a2a", true);
@@ -165,7 +132,7 @@ std::vector<StepGraph> priority_graphs(int a2a_priority, double S) {
 
 TEST(SimExecutor, AHighPriorityAlltoallOvertakesAnAllreduceQueuedBeforeIt) {
   const double B = 1e9, S = 1e9;  // an allreduce micro-op alone: S/B = 1 s on two ranks
-  const Cluster cluster(star_spec(2, B, 0));
+  const Cluster cluster(star_spec(2, B, 0, unit_device()));
   // ops: 0 compute (0 .. 0.5), 1 ar0, 2 ar1, 3 a2a
   const StepResult prio = run(cluster, priority_graphs(1, S));
   EXPECT_NEAR(start_s(prio, 0, 3), 0.5, kNs);             // ar0 running does not hold it (lower priority)
@@ -182,7 +149,7 @@ TEST(SimExecutor, RingAllreduceAndEqualFlowsMatchTheirClosedForms) {
   const double B = 10e9, alpha = 5e-6, S = 64e6;
   for (int p : {2, 4, 8}) {
     for (bool aggregate : {false, true}) {
-      const Cluster cluster(ring_spec(p, B, alpha));
+      const Cluster cluster(ring_spec(p, B, alpha, unit_device()));
       std::vector<StepGraph> g(p);
       for (int r = 0; r < p; ++r) {
         g[r].add_stream("allreduce", true);
@@ -198,7 +165,7 @@ TEST(SimExecutor, RingAllreduceAndEqualFlowsMatchTheirClosedForms) {
   // n senders to one receiver over a star: the receiver's link carries n flows, each at B/n.
   const int n = 4;
   const double b = 1e9;
-  const Cluster star(star_spec(n + 1, B, 0));
+  const Cluster star(star_spec(n + 1, B, 0, unit_device()));
   std::vector<StepGraph> g(n + 1);
   for (int r = 0; r <= n; ++r) {
     g[r].add_stream("a2a", true);
@@ -349,7 +316,7 @@ TEST(SimExecutor, TheSameInputsGiveTheSameTraceByteForByte) {
 }
 
 TEST(SimExecutor, BadInputIsAnErrorNotAHang) {
-  const Cluster cluster(star_spec(2, 1e9, 0));
+  const Cluster cluster(star_spec(2, 1e9, 0, unit_device()));
   std::vector<StepGraph> g(2);
   for (int r = 0; r < 2; ++r) g[r].add_stream("a2a", true);
   comm(g[0], 1, Collective::alltoallv, Group::world, 0, {}, 8, {0, 8, 0});  // 3 entries for 2 members

@@ -20,6 +20,7 @@
 #include "sim/collectives.h"
 #include "sim/placement_costs.h"
 #include "sim/simulate.h"
+#include "sim_test_clusters.h"
 
 namespace moe::sim {
 namespace {
@@ -129,24 +130,6 @@ TEST(SimStrategies, SparseOpBytesEqualThePlansPeerBytes) {
   EXPECT_NE(bad.message().find("sparse plan"), std::string::npos) << bad.message();
 }
 
-// One switch: every device a link of bandwidth B to it and one from it, latency alpha/2 each.
-ClusterSpec star(int p, double B, double alpha) {
-  ClusterSpec c;
-  c.name = "star";
-  NodeSpec& n = c.node;
-  n.devices = p;
-  n.device = DeviceSpec{"test-gpu", 100e12, 1e12, 0, 1, 0};
-  n.sockets = 1;
-  n.switch_socket = {0};
-  n.switch_uplink = {1e12, 0};
-  n.device_switch.assign(p, 0);
-  n.device_pcie = {1e12, 0};
-  n.interconnect = Interconnect::nvswitch;
-  n.nvlink = {B, alpha / 2};
-  n.nvswitch_links = 1;
-  return c;
-}
-
 double run_alone(const Cluster& cluster, const CollectiveSpec& spec) {
   Collectives colls(cluster);
   colls.start(spec);
@@ -161,7 +144,7 @@ double run_alone(const Cluster& cluster, const CollectiveSpec& spec) {
 
 TEST(SimStrategies, RoundsSerialisePerMemberAndPayAlphaPerRound) {
   const double B = 10e9, alpha = 4e-6, S = 8e6;
-  const Cluster c(star(4, B, alpha));
+  const Cluster c(star_spec(4, B, alpha));
   CollectiveSpec spec;
   spec.kind = CollectiveKind::rounds;
   spec.devices = {0, 1, 2, 3};
