@@ -327,9 +327,10 @@ Status NcclCommunicator::issue_alltoallv(const char* op, const void* send, std::
                                          std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
                                          DType t) {
   const int P = size(), r = rank();
-  if (send_counts[r] > 0) {
-    cudaError_t e = cudaMemcpyAsync(at(recv, recv_displs[r], t), at(send, send_displs[r], t),
-                                    send_counts[r] * dtype_size(t), cudaMemcpyDefault, stream_);
+  void* own = at(recv, recv_displs[r], t);
+  const void* own_send = at(send, send_displs[r], t);
+  if (send_counts[r] > 0 && own != own_send) {  // in place (allgatherv): nothing to copy
+    cudaError_t e = cudaMemcpyAsync(own, own_send, send_counts[r] * dtype_size(t), cudaMemcpyDefault, stream_);
     if (e != cudaSuccess) return cuda_fail(op, "cudaMemcpyAsync (own block)", e);
   }
   if (P == 1) return Status::ok();
@@ -371,26 +372,11 @@ Status NcclCommunicator::do_alltoall(const void* send, void* recv, int64_t count
 Status NcclCommunicator::do_allgatherv(const void* send, int64_t send_count, void* recv,
                                        std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
                                        DType t) {
-  const char* op = "allgatherv";
-  return run(op, -1, [&] {
-    const int P = size(), r = rank();
-    void* own = at(recv, recv_displs[r], t);
-    if (send_count > 0 && own != send) {
-      cudaError_t e = cudaMemcpyAsync(own, send, send_count * dtype_size(t), cudaMemcpyDefault, stream_);
-      if (e != cudaSuccess) return cuda_fail(op, "cudaMemcpyAsync (own block)", e);
-    }
-    if (P == 1) return Status::ok();
-    const ncclDataType_t type = nccl_type(t);
-    ncclResult_t first = ncclGroupStart();
-    if (first != ncclSuccess) return nccl_fail(op, first);
-    for (int k = 1; k < P; ++k) {
-      const int dst = (r + k) % P, src = (r - k + P) % P;
-      if (send_count > 0 && first == ncclSuccess) first = ncclSend(send, send_count, type, dst, comm_, stream_);
-      if (recv_counts[src] > 0 && first == ncclSuccess)
-        first = ncclRecv(at(recv, recv_displs[src], t), recv_counts[src], type, src, comm_, stream_);
-    }
-    ncclResult_t end = ncclGroupEnd();
-    return check(op, first != ncclSuccess ? first : end);
+  // An alltoallv whose every send block is the one contribution.
+  counts_.assign(size(), send_count);
+  displs_.assign(size(), 0);
+  return run("allgatherv", -1, [&] {
+    return issue_alltoallv("allgatherv", send, counts_, displs_, recv, recv_counts, recv_displs, t);
   });
 }
 

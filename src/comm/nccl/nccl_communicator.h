@@ -211,7 +211,7 @@ class NcclCommunicator final : public Communicator {
   std::string error_;            // first error; later calls fail with it
   const char* pending_op_ = "operation";  // the last enqueued operation, named by wait()'s timeout
   int pending_peer_ = -1;
-  std::vector<int64_t> counts_, displs_;  // alltoall's equal blocks
+  std::vector<int64_t> counts_, displs_;  // the blocks alltoall and allgatherv pass to issue_alltoallv
 };
 
 }  // namespace moe::comm
