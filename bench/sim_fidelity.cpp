@@ -14,9 +14,10 @@
 // one run.
 //
 // What the predictions use, all from the calibration run or measured facts:
-//   * this machine: the calibrated cluster; where ranks * threads exceed the cores (hardware_concurrency)
-//     every rank runs slower by ranks * threads / cores relative to the calibration run, its compute and
-//     its shared-memory transfers alike (sim::shared_cores_cluster);
+//   * this machine: the calibrated cluster of CPU ranks sharing its cores (hardware_concurrency): the
+//     executor shares the cores among the compute ops running at each moment (processor sharing,
+//     sim/executor.h), and where ranks * threads exceed the cores the shared-memory transfers slow by
+//     ranks * threads / cores relative to the calibration run (sim::shared_cores_cluster);
 //   * 2 hosts: the calibrated device and intra-host links, and between the hosts one NIC per host at the
 //     configured cap in payload bytes/s (the cap's bits / 8 over the frame bytes per TCP payload byte at
 //     MTU 1500, 1514 / 1448), latency 0: the emulation adds none (no netem on this kernel; the veth's
@@ -149,11 +150,10 @@ int sim_fidelity(const BenchOptions& opt) {
                                  cal_metrics, cal_trace);
   if (!cal_run.ok) return 1;
   sim::CalibrationResult cal;
-  if (Status s = sim::calibrate(dir.string(), base, &cal); !s) {
+  if (Status s = sim::calibrate(dir.string(), base, &cal, {cores, threads}); !s) {
     std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
     return 1;
   }
-  cal.cores_share = sim::cpu_share(cal_ranks, threads, cores);
   std::fputs(sim::describe(cal).c_str(), stdout);
 
   struct Case {

@@ -97,25 +97,29 @@ CalibrationResult synthetic_result() {
   return cal;
 }
 
-TEST(SimCalibrate, SharedCoresSlowEveryRankInProportion) {
+TEST(SimCalibrate, SharedCoresShareComputeAndSlowTheCopies) {
   const CalibrationResult cal = synthetic_result();
-  // Within the cores: unchanged.
-  EXPECT_EQ(moe::sim::shared_cores_cluster(cal, 2, 1, 2), cal.cluster);
-  EXPECT_EQ(moe::sim::shared_cores_cluster(cal, 1, 1, 2), cal.cluster);
-  // 4 ranks on 2 cores: compute and transfers at half speed, fixed costs doubled.
+  // Compute is shared by the executor: the cluster records the cores and the threads, the device is
+  // the calibrated one whatever the ranks.
+  for (int ranks : {1, 2, 4}) {
+    const ClusterSpec c = moe::sim::shared_cores_cluster(cal, ranks, 1, 2);
+    EXPECT_EQ(c.cpu_cores, 2);
+    EXPECT_EQ(c.cpu_threads_per_device, 1);
+    EXPECT_EQ(c.node.device, cal.cluster.node.device);
+    EXPECT_TRUE(c.validate());
+  }
+  // Within the cores the links are the calibrated ones.
+  EXPECT_EQ(moe::sim::shared_cores_cluster(cal, 2, 1, 2).node.device_pcie, cal.cluster.node.device_pcie);
+  // 4 ranks on 2 cores: the copies at half speed, their latency doubled.
   const ClusterSpec c = moe::sim::shared_cores_cluster(cal, 4, 1, 2);
-  EXPECT_DOUBLE_EQ(c.node.device.peak_flops, 25e9);
-  EXPECT_DOUBLE_EQ(c.node.device.mem_bandwidth, 10e9);
-  EXPECT_DOUBLE_EQ(c.node.device.launch_overhead, 2e-5);
   EXPECT_DOUBLE_EQ(c.node.device_pcie.bandwidth, 2e9);
   EXPECT_DOUBLE_EQ(c.node.device_pcie.latency, 20e-6);
   EXPECT_DOUBLE_EQ(c.node.switch_uplink.bandwidth, 2e9);
-  EXPECT_TRUE(c.validate());
   // Relative to an oversubscribed calibration run.
   CalibrationResult over = cal;
   over.cores_share = 2;
-  EXPECT_EQ(moe::sim::shared_cores_cluster(over, 4, 1, 2), cal.cluster);
-  EXPECT_DOUBLE_EQ(moe::sim::shared_cores_cluster(over, 8, 1, 2).node.device.peak_flops, 25e9);
+  EXPECT_EQ(moe::sim::shared_cores_cluster(over, 4, 1, 2).node.device_pcie, cal.cluster.node.device_pcie);
+  EXPECT_DOUBLE_EQ(moe::sim::shared_cores_cluster(over, 8, 1, 2).node.device_pcie.bandwidth, 2e9);
 }
 
 TEST(SimCalibrate, TwoNodesJoinedAtTheNicsCap) {
@@ -158,7 +162,9 @@ class SyntheticRun : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  void write_run() {
+  // one_core: the two ranks' compute threads shared one core, so ops that ran at once took longer
+  // than alone (processor sharing: both at half speed until the shorter ended).
+  void write_run(bool one_core = false) {
     const int P = 2, steps = 3;
     const int64_t batch = 4, N = batch / P * model_.seq_len;
     moe::graph::EpStepOptions opt;
@@ -182,13 +188,18 @@ class SyntheticRun : public ::testing::Test {
       for (const moe::graph::Op& op : step.graph.ops) {
         const std::string kind = moe::graph::op_kind_name(op.kind), name = step.graph.op_name(op);
         if (!moe::graph::is_communication(op.kind)) {
+          double alone[P];
           for (int r = 0; r < P; ++r) {
             double flops = op.cost.flops;
             if (op.kind == moe::graph::OpKind::expert_fwd || op.kind == moe::graph::OpKind::expert_bwd)
               flops = (op.kind == moe::graph::OpKind::expert_fwd ? 1 : 2) * 2 * 2 * double(per_rank[op.layer][r]) *
                       model_.d_model * model_.d_ffn;
             const double bytes = double(op.cost.bytes);
-            const double t = kLaunch + (flops > 0 ? std::max(flops / kRate, bytes / kMemBw) : bytes / kMemBw);
+            alone[r] = kLaunch + (flops > 0 ? std::max(flops / kRate, bytes / kMemBw) : bytes / kMemBw);
+          }
+          for (int r = 0; r < P; ++r) {
+            const double shorter = std::min(alone[0], alone[1]);
+            const double t = one_core ? (alone[r] == shorter ? 2 * shorter : shorter + alone[r]) : alone[r];
             events.push_back(event(r, 0, t0, t, name, "compute", kind, s, op.cost.bytes));
           }
           // The allreduces queued so far run during this op, slowed by it.
@@ -262,6 +273,32 @@ TEST_F(SyntheticRun, RecoversTheFiguresAndLeavesOutContendedCollectives) {
   EXPECT_NEAR(cal.cluster.node.device_pcie.latency, kAlpha / 2, 1e-12);
   EXPECT_TRUE(cal.cluster.validate());
   EXPECT_NE(moe::sim::describe(cal).find("left out: overlapped compute"), std::string::npos);
+}
+
+// The same run on one core shared by both ranks: reduced to the time alone, the same device; the
+// cluster records the machine.
+TEST_F(SyntheticRun, OneSharedCoreGivesTheSameDevice) {
+  write_run(/*one_core=*/true);
+  CalibrationResult shared, ignored;
+  ASSERT_TRUE(moe::sim::calibrate(dir_.string(), model_, &shared, {1, 1}));
+  ASSERT_TRUE(moe::sim::calibrate(dir_.string(), model_, &ignored));
+  const moe::sim::DeviceSpec& d = shared.cluster.node.device;
+  EXPECT_NEAR(d.launch_overhead, kLaunch, 1e-9);
+  EXPECT_NEAR(d.mem_bandwidth, kMemBw, 1e-3 * kMemBw);
+  EXPECT_NEAR(d.peak_flops, kRate, 1e-3 * kRate);
+  EXPECT_LT(shared.compute_model_rms, 1e-8);
+  EXPECT_EQ(shared.cluster.cpu_cores, 1);
+  EXPECT_EQ(shared.cluster.cpu_threads_per_device, 1);
+  EXPECT_EQ(shared.cores_share, 2);
+  EXPECT_NE(moe::sim::describe(shared).find("1 shared cores"), std::string::npos);
+  // Taken as measured, the stretched times give a device slower by about the sharing.
+  EXPECT_LT(ignored.cluster.node.device.peak_flops, 0.75 * kRate);
+  EXPECT_EQ(ignored.cluster.cpu_cores, 0);
+  // threads 0: as moe train resolves it (cores / ranks, at least 1).
+  CalibrationResult resolved;
+  ASSERT_TRUE(moe::sim::calibrate(dir_.string(), model_, &resolved, {4, 0}));
+  EXPECT_EQ(resolved.cluster.cpu_threads_per_device, 2);
+  EXPECT_FALSE(moe::sim::calibrate(dir_.string(), model_, &resolved, {-1, 1}));
 }
 
 }  // namespace

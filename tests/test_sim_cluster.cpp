@@ -228,6 +228,26 @@ TEST(SimClusterJson, EveryPresetRoundTrips) {
   }
 }
 
+TEST(SimClusterJson, CpuCoresRoundTripAndStayOutOfAcceleratorClusters) {
+  ClusterSpec spec = preset("p3dn.24xlarge", 1);
+  EXPECT_FALSE(spec.to_json().contains("cpu_cores"));
+  spec.cpu_cores = 2;
+  spec.cpu_threads_per_device = 3;
+  const nlohmann::json j = spec.to_json();
+  EXPECT_EQ(j.at("cpu_cores"), 2);
+  ClusterSpec back;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(j.dump()), &back));
+  EXPECT_EQ(back, spec);
+  nlohmann::json bad = j;
+  bad["cpu_threads_per_device"] = 0;
+  EXPECT_FALSE(ClusterSpec::from_json(bad, &back));
+  bad = j;
+  bad["cpu_cores"] = -1;
+  const Status s = ClusterSpec::from_json(bad, &back);
+  ASSERT_FALSE(s);
+  EXPECT_NE(s.message().find("cpu_cores (-1) must be in [0"), std::string::npos) << s.message();
+}
+
 TEST(SimClusterJson, LoadsAFileAndNamesTheFileInErrors) {
   const std::string path = ::testing::TempDir() + "sim_cluster_test.json";
   {

@@ -113,6 +113,49 @@ TEST(SimExecutor, FifoDepsAndCollectivesWaitForTheLastMember) {
   EXPECT_NEAR(a2a_s, 1.0, 1e-9);
 }
 
+// CPU ranks sharing cores (ClusterSpec::cpu_cores): the compute ops running at a time split the cores
+// (processor sharing); a rank waiting in a collective takes no share.
+TEST(SimExecutor, CpuRanksShareTheCoresAmongRunningComputeOps) {
+  ClusterSpec spec = star_spec(3, 1e9, 0, unit_device());
+  std::vector<StepGraph> g(3);
+  for (int r = 0; r < 3; ++r) compute(g[r], r == 2 ? 2e14 : 1e14);  // alone: 1 s, 1 s, 2 s
+  {
+    const StepResult res = run(Cluster(spec), g);  // accelerators: no sharing
+    EXPECT_NEAR(end_s(res, 0, 0), 1.0, kNs);
+    EXPECT_NEAR(end_s(res, 2, 0), 2.0, kNs);
+  }
+  spec.cpu_cores = 2;
+  {
+    // Three ops on two cores at 2/3 speed: ranks 0 and 1 end at 1.5 s, when rank 2 has 1 s of work
+    // left, which it then runs alone.
+    const StepResult res = run(Cluster(spec), g);
+    EXPECT_NEAR(end_s(res, 0, 0), 1.5, kNs);
+    EXPECT_NEAR(end_s(res, 1, 0), 1.5, kNs);
+    EXPECT_NEAR(end_s(res, 2, 0), 2.5, kNs);
+  }
+  spec.cpu_threads_per_device = 2;
+  {
+    // Six threads on two cores: 1/3 speed until 3 s, then rank 2 alone (2 threads, 2 cores) for 1 s.
+    const StepResult res = run(Cluster(spec), g);
+    EXPECT_NEAR(end_s(res, 0, 0), 3.0, kNs);
+    EXPECT_NEAR(end_s(res, 2, 0), 4.0, kNs);
+  }
+  // A rank waiting in an exchange leaves the cores to the others: rank 0 reaches it at once and waits
+  // for rank 1 (2 s alone); ranks 1 and 2 share one core until rank 1 reaches it.
+  spec.cpu_cores = 1;
+  spec.cpu_threads_per_device = 1;
+  std::vector<StepGraph> w(3);
+  for (int r = 0; r < 3; ++r) {
+    w[r].add_stream("a2a", true);
+    const int c = compute(w[r], r == 0 ? 0 : 1e14);
+    comm(w[r], 1, Collective::alltoallv, Group::world, 0, {c}, 0, {0, 0, 0});
+  }
+  const StepResult res = run(Cluster(spec), w);
+  EXPECT_NEAR(end_s(res, 1, 0), 2.0, kNs);  // 1 s alone at half speed
+  EXPECT_NEAR(end_s(res, 2, 0), 2.0, kNs);
+  EXPECT_NEAR(end_s(res, 0, 1), 2.0, kNs);  // the empty exchange ends when its last member arrives
+}
+
 // Rank graphs for the priority test: an allreduce cut into two micro-ops on lane 2, ready at 0; an
 // all-to-all on lane 1 that becomes ready when a compute op ends while the first micro-op runs.
 std::vector<StepGraph> priority_graphs(int a2a_priority, double S) {

@@ -59,6 +59,8 @@ struct SimFlags {
   bool hierarchical_allreduce = false;
   std::string trace, metrics;
   std::string calibrate, out;
+  int cpu_cores = -1;    // --calibrate: cores the run's CPU ranks shared (-1: this machine's; 0: accelerators)
+  int cpu_threads = 0;   // --calibrate: the run's --threads (0: as moe train resolves 0)
   sim::PlacementOptions placement;  // hecate, fastermoe
 };
 CLI::App* add_sim_command(CLI::App& app, SimFlags* flags);

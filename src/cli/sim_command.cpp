@@ -1,8 +1,10 @@
 // `moe sim`: predict training steps on a modeled cluster (src/sim/simulate.h) and print a fixed report;
 // `moe sim --calibrate RUN`: fit a cluster file to a real run (src/sim/calibrate.h).
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -184,6 +186,12 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
   c->add_option("--calibrate", f->calibrate,
                 "fit a cluster to a real EP run of --model: a directory with metrics.jsonl and trace.json, or METRICS,TRACE");
   c->add_option("--out", f->out, "--calibrate: the cluster JSON file to write");
+  c->add_option("--cpu-cores", f->cpu_cores,
+                "--calibrate: cores the run's CPU ranks shared (-1: this machine's; 0: accelerators, no sharing)")
+      ->check(CLI::Range(-1, 1 << 20));
+  c->add_option("--cpu-threads", f->cpu_threads,
+                "--calibrate: the run's compute threads per rank, its --threads (0: cores / ranks, as moe train)")
+      ->check(CLI::Range(0, 1 << 20));
   return c;
 }
 
@@ -198,7 +206,10 @@ int run_sim(const SimFlags& f) {
     if (!f.model.empty())
       if (Status s = load_model(f.model, &model); !s) return fail(s.message());
     sim::CalibrationResult cal;
-    if (Status s = sim::calibrate(f.calibrate, model, &cal); !s) return fail(s.message());
+    sim::CalibrationMachine machine;
+    machine.cpu_cores = f.cpu_cores >= 0 ? f.cpu_cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    machine.threads_per_rank = f.cpu_threads;
+    if (Status s = sim::calibrate(f.calibrate, model, &cal, machine); !s) return fail(s.message());
     std::fputs(sim::describe(cal).c_str(), stdout);
     if (Status s = sim::write_cluster_file(f.out, cal.cluster); !s) return fail(s.message());
     std::printf("cluster written to %s (use --cluster %s)\n", f.out.c_str(), f.out.c_str());

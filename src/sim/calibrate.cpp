@@ -54,6 +54,44 @@ bool solve2(const std::vector<double>& u, const std::vector<double>& v, const st
   return true;
 }
 
+// Processor sharing of a CPU machine's cores among the compute ops of all ranks, as the executor
+// models it (executor.h): over any interval where n compute ops run, each gets
+// min(1, cores / (n * threads)) of its threads' speed alone. work(a, b) is the time alone that an op
+// running over [a, b] received. cores == 0: no sharing (work = b - a).
+class CoreShare {
+ public:
+  CoreShare(const std::vector<std::pair<double, double>>& spans, int cores, int threads) {
+    if (cores <= 0) return;
+    std::vector<std::pair<double, int>> edges;
+    for (const auto& [a, b] : spans) edges.push_back({a, +1}), edges.push_back({b, -1});
+    std::sort(edges.begin(), edges.end());
+    int n = 0;
+    for (const auto& [t, d] : edges) {
+      n += d;
+      const double demand = static_cast<double>(n) * threads;
+      t_.push_back(t);
+      share_.push_back(demand > cores ? cores / demand : 1.0);
+    }
+  }
+  double work(double a, double b) const {
+    if (t_.empty()) return b - a;
+    // share_[i] holds over [t_[i], t_[i + 1]); before the first edge nothing runs.
+    size_t i = std::upper_bound(t_.begin(), t_.end(), a) - t_.begin();
+    double w = 0, t = a;
+    double s = i == 0 ? 1.0 : share_[i - 1];
+    for (; t < b; ++i) {
+      const double next = i < t_.size() ? std::min(t_[i], b) : b;
+      w += (next - t) * s;
+      t = next;
+      if (i < t_.size()) s = share_[i];
+    }
+    return w;
+  }
+
+ private:
+  std::vector<double> t_, share_;
+};
+
 }  // namespace
 
 LinearFit fit_line(const std::vector<double>& x, const std::vector<double>& y) {
@@ -122,9 +160,9 @@ double cpu_share(int ranks, int threads_per_rank, int cores) {
 ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int ranks, int threads_per_rank, int cores) {
   const double f = cpu_share(ranks, threads_per_rank, cores) / cal.cores_share;
   ClusterSpec c = cal.cluster;
+  c.cpu_cores = cores;
+  c.cpu_threads_per_device = threads_per_rank;
   if (f == 1) return c;
-  DeviceSpec& d = c.node.device;
-  d.peak_flops /= f, d.mem_bandwidth /= f, d.launch_overhead *= f;
   for (LinkSpec* l : {&c.node.device_pcie, &c.node.switch_uplink}) l->bandwidth /= f, l->latency *= f;
   return c;
 }
@@ -148,7 +186,10 @@ Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSp
   return Status::ok();
 }
 
-Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out) {
+Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out, CalibrationMachine machine) {
+  if (machine.cpu_cores < 0 || machine.threads_per_rank < 0)
+    return Status::error(str_cat("calibrate: cpu cores (", machine.cpu_cores, ") and threads per rank (",
+                                 machine.threads_per_rank, ") must be >= 0"));
   std::string metrics_path, trace_path;
   if (const size_t comma = run.find(','); comma != std::string::npos) {
     metrics_path = run.substr(0, comma);
@@ -197,6 +238,7 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
     return Status::error(str_cat("calibrate: the run has ", P, " rank(s) and a batch of ", res.batch,
                                  " sequences (from tokens_per_expert and the model's top_k and seq_len): need >= 2 "
                                  "ranks of the model given with --model"));
+  if (machine.threads_per_rank == 0) machine.threads_per_rank = std::max(1, machine.cpu_cores / P);
   graph::EpStepOptions opt;
   opt.world = P;
   opt.ep_size = static_cast<int>(std::gcd<int64_t>(model.n_experts, P));
@@ -210,14 +252,26 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
     if (model.is_moe_layer(b)) moe_index[b] = static_cast<int>(i++);
   const double mats = model.activation == "swiglu" ? 3 : 2;
 
-  // Samples per (op name, rank): (flops or bytes, time); each becomes one point of its medians, so
-  // a step the machine's other jobs slowed down does not pull the fit.
+  // On a CPU machine whose cores the ranks' compute threads oversubscribed, an op's duration is its
+  // time alone stretched by the sharing: the fit takes the time alone (CoreShare), as the executor
+  // will stretch it again.
+  std::vector<std::pair<double, double>> all_compute;
+  for (const json& e : trace.at("traceEvents")) {
+    if (e.value("ph", "") != "X" || e.value("cat", "") != "compute") continue;
+    const double ts = e.at("ts").get<double>() * 1e-6;
+    all_compute.push_back({ts, ts + e.at("dur").get<double>() * 1e-6});
+  }
+  const CoreShare core_share(all_compute, machine.cpu_cores, machine.threads_per_rank);
+
+  // Samples per (op name, rank): (flops or bytes, time alone); each becomes one point of its medians,
+  // so a step the machine's other jobs slowed down does not pull the fit.
   std::map<std::pair<std::string, int>, std::vector<std::pair<double, double>>> flop_ops, byte_ops;
   for (const json& e : trace.at("traceEvents")) {
     if (e.value("ph", "") != "X") continue;
     const json& a = e.at("args");
     const std::string name = e.at("name").get<std::string>();
-    const double t = e.at("dur").get<double>() * 1e-6;
+    const double ts = e.at("ts").get<double>() * 1e-6;
+    const double t = core_share.work(ts, ts + e.at("dur").get<double>() * 1e-6);
     const int64_t stp = a.at("step").get<int64_t>();
     const int rank = e.at("pid").get<int>();
     if (e.value("cat", "") == "compute") {
@@ -385,9 +439,11 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
   if (!(inv_bw > 0)) res.notes.push_back("communication time does not grow with bytes: bandwidth 1e12 B/s");
   res.alpha = std::max(0.0, alpha);
   res.bandwidth = inv_bw > 0 ? 1 / inv_bw : 1e12;
-  res.cores_share = 1;
+  res.cores_share = machine.cpu_cores > 0 ? cpu_share(P, machine.threads_per_rank, machine.cpu_cores) : 1;
 
   ClusterSpec& c = res.cluster;
+  c.cpu_cores = machine.cpu_cores;
+  c.cpu_threads_per_device = machine.threads_per_rank;
   c.name = "calibrated";
   c.nodes = 1;
   NodeSpec& n = c.node;
@@ -415,6 +471,9 @@ std::string describe(const CalibrationResult& r) {
   s += str_cat("  device: rate ", d.peak_flops * 1e-9, " GFLOP/s (keeps the ops' total time; rms ",
                r.compute_model_rms * 1e6, " us per op), launch ", d.launch_overhead * 1e6, " us, memory ",
                d.mem_bandwidth * 1e-9, " GB/s\n");
+  if (r.cluster.cpu_cores > 0)
+    s += str_cat("  CPU ranks: ", r.cluster.cpu_threads_per_device, " compute thread(s) each on ", r.cluster.cpu_cores,
+                 " shared cores (the run's oversubscription ", r.cores_share, "; op times reduced to time alone)\n");
   for (const std::string& n : r.notes) s += "  note: " + n + "\n";
   return s;
 }

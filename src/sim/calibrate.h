@@ -35,9 +35,13 @@
 //   jointly for alpha and 1/B by least squares.
 // Output: one node of max(P, 8) devices on one PCIe switch, each device link of bandwidth B and
 // latency alpha / 2 (a device-to-device path crosses two), device figures as fitted. Figures that fit
-// negative are clamped (and said so in the notes). cores_share (set by the caller, who knows the run's
-// threads and the machine's cores: cpu_share) records how oversubscribed the calibration run's cores
-// were: the figures are those of its ranks as measured, each slowed by that factor.
+// negative are clamped (and said so in the notes).
+// CPU ranks (machine.cpu_cores > 0: the run's ranks were processes of one machine with that many
+// cores, each running machine.threads_per_rank compute threads): every compute op's time is first
+// reduced to its time alone under the executor's processor sharing (executor.h; the trace shows which
+// compute ops of all ranks ran at once), so a run that oversubscribed its cores fits the same device
+// as one that did not; the cluster records the machine (ClusterSpec::cpu_cores) and cores_share how
+// oversubscribed the run was (cpu_share), for the links, which are fitted as measured.
 //
 // Predicting other configurations of the same machine from the result (shared_cores_cluster,
 // two_node_cluster) is documented at those functions.
@@ -68,13 +72,19 @@ struct CalibrationResult {
   double comm_rms = 0;
   int comm_points = 0;     // op names in the collective fit
   int comm_contended = 0;  // op names left out of it (every instance overlapped a member's compute)
-  double cores_share = 1;  // cpu_share of the calibration run (set by the caller that knows the cores)
+  double cores_share = 1;  // cpu_share of the calibration run's ranks on its machine's cores (1: no CPU machine)
   std::vector<std::string> notes;  // clamps and approximations applied
 };
 
 // run: a directory holding metrics.jsonl and trace.json, or "METRICS,TRACE". Errors name the file
 // and what is missing (no compute ops, a trace of another model, ...).
-Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out);
+struct CalibrationMachine {
+  int cpu_cores = 0;         // > 0: the ranks were CPU processes sharing this many cores; 0: accelerators
+  int threads_per_rank = 1;  // the run's compute threads per rank (moe train --threads); 0: as moe train
+                             // resolves 0, max(1, cpu_cores / ranks)
+};
+Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out,
+                 CalibrationMachine machine = {});
 std::string describe(const CalibrationResult& r);  // the fit, as `moe sim --calibrate` prints it
 Status write_cluster_file(const std::string& path, const ClusterSpec& spec);  // atomically
 
@@ -93,12 +103,13 @@ double fit_compute_rate(const std::vector<double>& flops, const std::vector<doub
 // How much slower each thread runs when `ranks` ranks of `threads_per_rank` compute threads share
 // `cores` cores: max(1, ranks * threads_per_rank / cores). REQUIRES: all >= 1 (std::logic_error).
 double cpu_share(int ranks, int threads_per_rank, int cores);
-// The calibrated cluster for `ranks` ranks on the machine of the calibration run. On a CPU machine the
-// ranks' compute and their shared-memory transfers (copies by the ranks' own cores) both run on its
-// cores: with f = cpu_share(ranks, threads, cores) / cal.cores_share > 1 the device's FLOP rate,
-// memory bandwidth and the device links' bandwidth are divided by f and the launch overhead and link
-// latencies multiplied by f (every rank progresses at 1/f of the calibrated speed; processor sharing
-// of the whole step, not of each op). f <= 1: the calibrated cluster unchanged.
+// The calibrated cluster for `ranks` ranks of `threads_per_rank` compute threads on `cores` cores of
+// the machine of the calibration run. Compute: the cluster's cpu_cores and cpu_threads_per_device,
+// so the executor shares the cores among the compute ops running at each moment (a rank waiting in
+// a collective leaves its share to the others). Links: the shared-memory transfers are copies by the
+// ranks' own cores, all of which run during an all-to-all, so with f = cpu_share(ranks, threads,
+// cores) / cal.cores_share the device links' bandwidth is divided by f and their latency multiplied
+// by f (a static approximation: a transfer that overlaps compute shares the cores too).
 ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int ranks, int threads_per_rank, int cores);
 // The calibrated device and intra-node links on two nodes of `ranks_per_node` devices each, joined by
 // one NIC per node of link `nic` (its bandwidth in payload bytes/s and latency: an emulated NIC's

@@ -298,6 +298,8 @@ Status ClusterSpec::validate() const {
     return cluster_error(str_cat("fabric.oversubscription (", fabric.oversubscription, ") must be a finite number >= 1"));
   }
   if (!(s = nonnegative("fabric.uplink_latency", fabric.uplink_latency))) return s;
+  if (!(s = in_range("cpu_cores", cpu_cores, 0, 1 << 20))) return s;
+  if (!(s = in_range("cpu_threads_per_device", cpu_threads_per_device, 1, 1 << 20))) return s;
 
   // The links Cluster builds (two per physical link), bounded so ids fit and memory stays sane.
   int64_t per_node = 2 * static_cast<int64_t>(n.devices) + 2 * switches +
@@ -339,13 +341,18 @@ nlohmann::json ClusterSpec::to_json() const {
     nj["nic_pcie"] = link_json(n.nic_pcie);
     nj["nic_port"] = link_json(n.nic_port);
   }
-  return {{"name", name},
-          {"nodes", nodes},
-          {"node", nj},
-          {"fabric",
-           {{"nodes_per_leaf", fabric.nodes_per_leaf},
-            {"oversubscription", fabric.oversubscription},
-            {"uplink_latency", fabric.uplink_latency}}}};
+  nlohmann::json j = {{"name", name},
+                      {"nodes", nodes},
+                      {"node", nj},
+                      {"fabric",
+                       {{"nodes_per_leaf", fabric.nodes_per_leaf},
+                        {"oversubscription", fabric.oversubscription},
+                        {"uplink_latency", fabric.uplink_latency}}}};
+  if (cpu_cores > 0) {
+    j["cpu_cores"] = cpu_cores;
+    j["cpu_threads_per_device"] = cpu_threads_per_device;
+  }
+  return j;
 }
 
 Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
@@ -403,6 +410,8 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
     f.number("uplink_latency", &c.fabric.uplink_latency);
     f.finish();
   }
+  top.integer("cpu_cores", &c.cpu_cores, /*required=*/false);
+  top.integer("cpu_threads_per_device", &c.cpu_threads_per_device, /*required=*/false);
   top.finish();
   if (!st) return st;
   if (Status s = c.validate(); !s) return s;

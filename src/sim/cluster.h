@@ -86,6 +86,13 @@ struct ClusterSpec {
   int nodes = 1;     // >= 1; > 1 needs NICs
   NodeSpec node;
   FabricSpec fabric;
+  // CPU ranks (a calibrated cluster of this machine): cpu_cores > 0 says every device is an MPI rank
+  // running cpu_threads_per_device compute threads, and all of them, on every node (an emulated
+  // cluster's hosts are namespaces of one machine), share cpu_cores cores. The executor then shares
+  // the cores among the compute ops running at a time (processor sharing, executor.h). 0: the devices
+  // are accelerators with their own compute (every preset). JSON keys present only when cpu_cores > 0.
+  int cpu_cores = 0;               // >= 0
+  int cpu_threads_per_device = 1;  // >= 1
 
   // Every figure and index, and their combinations. The message names the field as the JSON spells
   // it, e.g. "cluster: node.device_switch[3] (7) must be in [0, 4)".

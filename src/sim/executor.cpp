@@ -192,12 +192,41 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   struct ComputeEnd {
     double t;
     int rank, op;
+    uint32_t version;  // processor sharing: an end computed before the last change of the share is stale
     bool operator>(const ComputeEnd& o) const {
       if (t != o.t) return t > o.t;
       return rank != o.rank ? rank > o.rank : op > o.op;
     }
   };
   std::priority_queue<ComputeEnd, std::vector<ComputeEnd>, std::greater<ComputeEnd>> compute_ends;
+  // Processor sharing of a CPU cluster's cores (executor.h): the compute ops running, each with its
+  // work left (seconds alone), progressing at `share` since `share_since`. When the share changes,
+  // every running op's end is pushed again under a new version; the old entries are skipped.
+  const int cpu_cores = cluster_.spec().cpu_cores;
+  struct Sharing {
+    int rank, op;
+    double work;
+  };
+  std::vector<Sharing> sharing;
+  std::vector<uint32_t> version(cpu_cores > 0 ? state.size() : 0, 0);
+  double share = 1, share_since = t0;
+  auto share_of = [&](size_t running) {
+    const double demand = static_cast<double>(running) * cluster_.spec().cpu_threads_per_device;
+    return demand > cpu_cores ? cpu_cores / demand : 1.0;
+  };
+  auto progress_sharing = [&](double now) {  // every running op's work done since share_since
+    for (Sharing& x : sharing) x.work = std::max(0.0, x.work - (now - share_since) * share);
+    share_since = now;
+  };
+  auto requeue_sharing = [&](double now, bool all) {  // after `sharing` changed; `all`: else only the last
+    const double s = share_of(sharing.size());
+    if (s != share) all = true;
+    share = s;
+    for (size_t i = all ? 0 : sharing.size() - 1; i < sharing.size(); ++i) {
+      const Sharing& x = sharing[i];
+      compute_ends.push({now + x.work / share, x.rank, x.op, ++version[at(x.rank, x.op)]});
+    }
+  };
   std::vector<char> dirty(R, 1);
   std::vector<int> dirty_list(R);
   for (int r = 0; r < R; ++r) dirty_list[r] = r;
@@ -326,7 +355,14 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     state[at(r, op)] = kRunning;
     t_start[at(r, op)] = now;
     if (o.stream == 0) {
-      compute_ends.push({now + op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes)), r, op});
+      const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes));
+      if (cpu_cores > 0) {
+        progress_sharing(now);
+        sharing.push_back({r, op, alone});
+        requeue_sharing(now, /*all=*/false);
+      } else {
+        compute_ends.push({now + alone, r, op, 0});
+      }
       return;
     }
     const int gi = group_index(o.group, r);
@@ -362,10 +398,21 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       return Status::error("sim: deadlock: no op can start");
     }
     colls_.advance(t);
+    bool shared_ended = false;
     while (!compute_ends.empty() && compute_ends.top().t == t) {
       const ComputeEnd e = compute_ends.top();
       compute_ends.pop();
+      if (cpu_cores > 0) {
+        if (e.version != version[at(e.rank, e.op)]) continue;  // stale: the share changed after it was pushed
+        if (!shared_ended) progress_sharing(t);
+        shared_ended = true;
+        std::erase_if(sharing, [&](const Sharing& x) { return x.rank == e.rank && x.op == e.op; });
+      }
       end_op(e.rank, e.op, t);
+    }
+    if (shared_ended && !sharing.empty()) {
+      const double s = share_of(sharing.size());
+      if (s != share) requeue_sharing(t, /*all=*/true);
     }
     take_member_ends();
   }

@@ -8,7 +8,12 @@
 //     predecessor ended and after all its dependencies ended;
 //   * priority across lanes: a communication op does not start while a communication op of higher
 //     priority on another lane of the same rank is running or ready (heads its lane, deps ended);
-//   * a compute op takes sim::op_time(device, flops, bytes) (compute.h);
+//   * a compute op takes sim::op_time(device, flops, bytes) (compute.h); on a cluster of CPU ranks
+//     (ClusterSpec::cpu_cores > 0) that is its work in seconds of its threads running alone, and the
+//     cores are shared: while n compute ops run (on any rank), each progresses at
+//     min(1, cpu_cores / (n * cpu_threads_per_device)) of that speed (processor sharing, as the OS
+//     scheduler time-slices the ranks' threads). Communication ops do not take a share: the
+//     runtime's lanes poll with sched_yield, which hands the core to any runnable compute thread;
 //   * a collective op is "reached" on a rank when that rank may start it: it is then running there, as
 //     a blocking call is. Its flows start when every member of its group has reached it (the group:
 //     world, ep = consecutive world ranks [g*G, (g+1)*G), dp = the ranks with the same rank % G, as
