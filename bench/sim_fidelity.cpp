@@ -1,17 +1,20 @@
 // moe bench sim-fidelity: see bench.h.
 //
-// Calibrate the simulator on one real run on this machine (moe train --ranks 2, the default model,
-// batch 16, EP, 1 thread per rank; src/sim/calibrate.h), then predict other configurations and run
-// them for real in the same process:
+// Calibrate the simulator on real runs of one configuration on this machine (moe train --ranks 2, the
+// default model, batch 16, EP, 1 thread per rank; src/sim/calibrate.h): 3 runs fitted together, and
+// the first of them alone (the error column "1-run cal"; one run's level moves by up to +-12% from
+// run to run here, which shifts every prediction made from it), then predict other configurations
+// and run them for real in the same process:
 //   the calibration configuration again, 4 ranks, batch x2, 16 experts (all on this machine), and
 //   2 ranks on an emulated cluster of 2 hosts x 1 rank (scripts/cluster.sh, docs/cluster.md) whose
 //   NICs are capped at 1 Gbit/s.
 // Predicted and measured step time: the step graph's wall time (compute + exposed communication, mean
 // over ranks; the optimizer, which neither graph holds, is left out of both), median over the steps
-// after the first; each configuration runs --repeats times (default 5) and each run is predicted with
+// after the first; the configurations run in --repeats rounds (default 5) of one run each,
+// interleaved so that other jobs on the machine weigh on all alike, and each run is predicted with
 // its own load (its metrics file, replayed); the row shows the medians over the runs and error =
-// predicted / measured - 1, and every run's measured time (the machine's noise). The calibration is
-// one run.
+// predicted / measured - 1, and every run's measured time (the machine's noise). The calibration runs
+// come before the rounds.
 //
 // What the predictions use, all from the calibration run or measured facts:
 //   * this machine: the calibrated cluster of CPU ranks sharing its cores (hardware_concurrency): the
@@ -53,6 +56,7 @@ constexpr const char* kCluster = "moefid";
 constexpr const char* kNic = "1gbit";
 constexpr double kNicBits = 1e9;                  // kNic in bits/s
 constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
+constexpr int kCalRuns = 3;                        // runs of the calibration configuration fitted together
 
 std::string first_line(std::string s) {
   if (const size_t nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
@@ -144,17 +148,28 @@ int sim_fidelity(const BenchOptions& opt) {
   std::printf("moe bench sim-fidelity: calibrate on moe train --ranks %d (default model, batch %lld, %d thread per "
               "rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
               cal_ranks, (long long)base_batch, threads, cores);
-  const std::string cal_metrics = (dir / "metrics.jsonl").string(), cal_trace = (dir / "trace.json").string();
-  const Measured cal_run = train(local_launch(cal_ranks),
-                                 common + model_flags(base) + " --batch-size " + std::to_string(base_batch),
-                                 cal_metrics, cal_trace);
-  if (!cal_run.ok) return 1;
-  sim::CalibrationResult cal;
-  if (Status s = sim::calibrate(dir.string(), base, &cal, {cores, threads}); !s) {
-    std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-    return 1;
+  // The calibration: kCalRuns runs of the calibration configuration, fitted together (`cal`) and the
+  // first alone (`cal1`, the "one run"), both shown.
+  std::vector<std::string> cal_runs;
+  for (int k = 0; k < kCalRuns; ++k) {
+    const fs::path run_dir = dir / str_cat("calibration", k);
+    fs::create_directories(run_dir);
+    const Measured m = train(local_launch(cal_ranks),
+                             common + model_flags(base) + " --batch-size " + std::to_string(base_batch),
+                             (run_dir / "metrics.jsonl").string(), (run_dir / "trace.json").string());
+    if (!m.ok) return 1;
+    cal_runs.push_back(run_dir.string());
+  }
+  sim::CalibrationResult cal, cal1;
+  for (auto [result, runs] : {std::pair{&cal, cal_runs}, std::pair{&cal1, std::vector<std::string>{cal_runs[0]}}}) {
+    if (Status s = sim::calibrate(runs, base, result, {cores, threads}); !s) {
+      std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+      return 1;
+    }
   }
   std::fputs(sim::describe(cal).c_str(), stdout);
+  std::printf("  (the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s)\n",
+              cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
 
   struct Case {
     std::string name;
@@ -168,66 +183,88 @@ int sim_fidelity(const BenchOptions& opt) {
                                    {"batch x2 (2 ranks)", 2, 2 * base_batch, 8},
                                    {"16 experts (2 ranks)", 2, base_batch, 16},
                                    {"2 hosts x 1 rank, 1 Gbit/s", 2, base_batch, 8, true}};
-  std::printf("\n%-28s %14s %14s %9s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
-              "measured step ms", "measured ms of each run");
-  std::fflush(stdout);
-  int i = 0, failed = 0;
+  // Every configuration's predicted cluster, and the emulated cluster (up for the whole bench).
+  std::unique_ptr<EmulatedCluster> cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);
+  const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
+  std::vector<sim::SimRunConfig> cfgs, cfgs1;  // calibrated on all calibration runs / on the first
+  std::vector<std::string> args;
+  auto cluster_for = [&](const Case& c, const sim::CalibrationResult& from, sim::ClusterSpec* out) {
+    if (!c.two_hosts) {
+      *out = sim::shared_cores_cluster(from, c.ranks, threads, cores);
+      return Status::ok();
+    }
+    const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
+    return sim::two_node_cluster(from, c.ranks / 2, nic, out);
+  };
   for (const Case& c : cases) {
     ModelConfig m = base;
     m.n_experts = c.experts;
-    const std::string args = common + model_flags(m) + " --batch-size " + std::to_string(c.batch);
+    args.push_back(common + model_flags(m) + " --batch-size " + std::to_string(c.batch));
     sim::SimRunConfig cfg;
     cfg.model = m;
     cfg.ranks = c.ranks;
     cfg.batch = c.batch;
     cfg.steps = steps - 1;
     cfg.allreduce_micro_bytes = 256 << 10;  // moe train's default
-    // `runs` real runs of the case (each predicted with its own load); medians over them.
-    const int runs = std::max(1, opt.repeats);
-    std::vector<double> measured, predicted, measured_step;
-    std::string skipped;
-    {
-      std::unique_ptr<EmulatedCluster> cluster;  // down again at the end of this block, whatever happens in it
-      if (c.two_hosts) {
-        cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);
-        if (!cluster->up()) skipped = first_line(cluster->why());
-        const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
-        if (Status s = sim::two_node_cluster(cal, c.ranks / 2, nic, &cfg.cluster); !s) {
-          std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-          return 1;
-        }
-      } else {
-        cfg.cluster = sim::shared_cores_cluster(cal, c.ranks, threads, cores);
-      }
-      for (int k = 0; k < runs && skipped.empty(); ++k) {
-        const std::string metrics = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
-        const Measured meas = train(c.two_hosts ? cluster->command("run --") : local_launch(c.ranks), args, metrics, "");
-        if (!meas.ok) break;
-        double p = 0;
-        if (Status s = predict(cfg, metrics, &p); !s) {
-          std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-          return 1;
-        }
-        measured.push_back(meas.graph_ms), measured_step.push_back(meas.step_ms), predicted.push_back(p);
+    sim::SimRunConfig cfg1 = cfg;
+    for (auto [from, to] : {std::pair{&cal, &cfg.cluster}, std::pair{&cal1, &cfg1.cluster}}) {
+      if (Status s = cluster_for(c, *from, to); !s) {
+        std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+        return 1;
       }
     }
-    ++i;
-    if (!skipped.empty()) {
-      std::printf("%-28s skipped: %s\n", c.name.c_str(), skipped.c_str());
-      std::fflush(stdout);
+    cfgs.push_back(std::move(cfg));
+    cfgs1.push_back(std::move(cfg1));
+  }
+  // `runs` rounds, each running every configuration once (each run predicted with its own load):
+  // interleaved, so that the machine's other jobs coming and going weigh on every row alike.
+  const int runs = std::max(1, opt.repeats);
+  const size_t n = cases.size();
+  std::vector<std::vector<double>> measured(n), predicted(n), predicted1(n), measured_step(n);
+  std::vector<char> failed_case(n, 0);
+  for (int k = 0; k < runs; ++k) {
+    for (size_t i = 0; i < n; ++i) {
+      if (failed_case[i] || (cases[i].two_hosts && !no_hosts.empty())) continue;
+      const std::string metrics = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
+      const Measured meas = train(cases[i].two_hosts ? cluster->command("run --") : local_launch(cases[i].ranks), args[i],
+                                  metrics, "");
+      if (!meas.ok) {
+        failed_case[i] = 1;
+        continue;
+      }
+      double p = 0, p1 = 0;
+      for (auto [cfg, ms] : {std::pair{&cfgs[i], &p}, std::pair{&cfgs1[i], &p1}}) {
+        if (Status s = predict(*cfg, metrics, ms); !s) {
+          std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+          return 1;
+        }
+      }
+      measured[i].push_back(meas.graph_ms), measured_step[i].push_back(meas.step_ms);
+      predicted[i].push_back(p), predicted1[i].push_back(p1);
+    }
+    std::fprintf(stderr, "bench sim-fidelity: round %d of %d done\n", k + 1, runs);
+  }
+  cluster.reset();  // down before the table, whatever comes next
+
+  std::printf("\n%-28s %14s %14s %9s %17s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
+              "error (1-run cal)", "measured step ms", "measured ms of each run");
+  int failed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const Case& c = cases[i];
+    if (c.two_hosts && !no_hosts.empty()) {
+      std::printf("%-28s skipped: %s\n", c.name.c_str(), no_hosts.c_str());
       continue;
     }
-    if (static_cast<int>(measured.size()) < runs) {
+    if (failed_case[i]) {
       std::printf("%-28s failed (a real run; see above)\n", c.name.c_str());
       ++failed;
       continue;
     }
-    const double p = median(predicted), meas = median(measured);
+    const double p = median(predicted[i]), meas = median(measured[i]);
     std::string all;
-    for (double x : measured) all += str_cat(all.empty() ? "" : " ", static_cast<int>(std::lround(x)));
-    std::printf("%-28s %14.2f %14.2f %+8.1f%% %16.2f   %s\n", c.name.c_str(), p, meas, 100 * (p / meas - 1),
-                median(measured_step), all.c_str());
-    std::fflush(stdout);
+    for (double x : measured[i]) all += str_cat(all.empty() ? "" : " ", static_cast<int>(std::lround(x)));
+    std::printf("%-28s %14.2f %14.2f %+8.1f%% %+16.1f%% %16.2f   %s\n", c.name.c_str(), p, meas, 100 * (p / meas - 1),
+                100 * (median(predicted1[i]) / meas - 1), median(measured_step[i]), all.c_str());
   }
   std::printf("\npredicted / measured: the step graph's wall time (compute + exposed comm, mean over ranks), median\n"
               "over steps 2..%d of a run, median over %d runs of the configuration (each predicted with its own\n"

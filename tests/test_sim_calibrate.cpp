@@ -301,4 +301,36 @@ TEST_F(SyntheticRun, OneSharedCoreGivesTheSameDevice) {
   EXPECT_FALSE(moe::sim::calibrate(dir_.string(), model_, &resolved, {-1, 1}));
 }
 
+// Several runs of one configuration fit together: identical runs give the figures of one; a run of
+// another configuration is an error naming it.
+TEST_F(SyntheticRun, SeveralRunsOfOneConfigurationFitTogether) {
+  write_run();
+  const fs::path second = dir_ / "second";
+  fs::create_directories(second);
+  fs::copy_file(dir_ / "metrics.jsonl", second / "metrics.jsonl");
+  fs::copy_file(dir_ / "trace.json", second / "trace.json");
+  CalibrationResult one, two;
+  ASSERT_TRUE(moe::sim::calibrate(dir_.string(), model_, &one));
+  const moe::Status s = moe::sim::calibrate(std::vector<std::string>{dir_.string(), second.string()}, model_, &two);
+  ASSERT_TRUE(s) << s.message();
+  EXPECT_EQ(two.runs, 2);
+  EXPECT_EQ(two.cluster, one.cluster);
+  EXPECT_NE(moe::sim::describe(two).find("calibration of 2 runs"), std::string::npos);
+  // The second run with another batch: an error naming it.
+  {
+    std::ifstream in(dir_ / "metrics.jsonl");
+    std::ofstream out(second / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      nlohmann::json j = nlohmann::json::parse(line);
+      j["tokens_per_expert"][0][0] = j["tokens_per_expert"][0][0].get<int64_t>() + 8;
+      out << j.dump() << "\n";
+    }
+  }
+  const moe::Status bad = moe::sim::calibrate(std::vector<std::string>{dir_.string(), second.string()}, model_, &two);
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.message().find(second.string()), std::string::npos) << bad.message();
+  EXPECT_FALSE(moe::sim::calibrate(std::vector<std::string>{}, model_, &two));
+}
+
 }  // namespace

@@ -58,7 +58,8 @@ struct SimFlags {
   std::string aggregate = "auto";
   bool hierarchical_allreduce = false;
   std::string trace, metrics;
-  std::string calibrate, out;
+  std::vector<std::string> calibrate;  // runs of one configuration
+  std::string out;
   int cpu_cores = -1;    // --calibrate: cores the run's CPU ranks shared (-1: this machine's; 0: accelerators)
   int cpu_threads = 0;   // --calibrate: the run's --threads (0: as moe train resolves 0)
   sim::PlacementOptions placement;  // hecate, fastermoe

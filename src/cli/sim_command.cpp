@@ -184,7 +184,8 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
   c->add_option("--trace", f->trace, "write a Chrome trace of every rank and step to FILE");
   c->add_option("--metrics", f->metrics, "write per-step metrics as JSON lines to FILE");
   c->add_option("--calibrate", f->calibrate,
-                "fit a cluster to a real EP run of --model: a directory with metrics.jsonl and trace.json, or METRICS,TRACE");
+                "fit a cluster to real EP runs of --model, all of one configuration: each a directory with "
+                "metrics.jsonl and trace.json, or METRICS,TRACE");
   c->add_option("--out", f->out, "--calibrate: the cluster JSON file to write");
   c->add_option("--cpu-cores", f->cpu_cores,
                 "--calibrate: cores the run's CPU ranks shared (-1: this machine's; 0: accelerators, no sharing)")

@@ -187,41 +187,56 @@ Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSp
 }
 
 Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out, CalibrationMachine machine) {
+  return calibrate(std::vector<std::string>{run}, model, out, machine);
+}
+
+Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& model, CalibrationResult* out,
+                 CalibrationMachine machine) {
   if (machine.cpu_cores < 0 || machine.threads_per_rank < 0)
     return Status::error(str_cat("calibrate: cpu cores (", machine.cpu_cores, ") and threads per rank (",
                                  machine.threads_per_rank, ") must be >= 0"));
-  std::string metrics_path, trace_path;
-  if (const size_t comma = run.find(','); comma != std::string::npos) {
-    metrics_path = run.substr(0, comma);
-    trace_path = run.substr(comma + 1);
-  } else {
-    metrics_path = (std::filesystem::path(run) / "metrics.jsonl").string();
-    trace_path = (std::filesystem::path(run) / "trace.json").string();
-  }
+  if (run_paths.empty()) return Status::error("calibrate: no run given");
   if (Status s = model.validate(); !s) return s;
-  std::vector<json> metrics;
-  if (Status s = read_json_lines(metrics_path, &metrics); !s) return s;
-  json trace;
-  {
-    std::ifstream in(trace_path);
-    if (!in) return Status::error(str_cat("calibrate: cannot read trace ", trace_path));
-    try {
-      in >> trace;
-    } catch (const json::exception&) {
-      return Status::error(str_cat("calibrate: ", trace_path, " is not JSON"));
+  struct Run {
+    std::string trace_path;
+    std::vector<json> metrics;
+    std::map<int64_t, json> by_step;
+    json trace;
+  };
+  std::vector<Run> runs(run_paths.size());
+  for (size_t ri = 0; ri < runs.size(); ++ri) {
+    const std::string& run = run_paths[ri];
+    Run& r = runs[ri];
+    std::string metrics_path;
+    if (const size_t comma = run.find(','); comma != std::string::npos) {
+      metrics_path = run.substr(0, comma);
+      r.trace_path = run.substr(comma + 1);
+    } else {
+      metrics_path = (std::filesystem::path(run) / "metrics.jsonl").string();
+      r.trace_path = (std::filesystem::path(run) / "trace.json").string();
     }
+    if (Status s = read_json_lines(metrics_path, &r.metrics); !s) return s;
+    std::ifstream in(r.trace_path);
+    if (!in) return Status::error(str_cat("calibrate: cannot read trace ", r.trace_path));
+    try {
+      in >> r.trace;
+    } catch (const json::exception&) {
+      return Status::error(str_cat("calibrate: ", r.trace_path, " is not JSON"));
+    }
+    if (!r.trace.is_object() || !r.trace.contains("traceEvents"))
+      return Status::error(str_cat("calibrate: ", r.trace_path, " is not a Chrome trace of `moe train --trace`"));
+    for (json& m : r.metrics) r.by_step[m.at("step").get<int64_t>()] = m;
   }
-  if (!trace.is_object() || !trace.contains("traceEvents"))
-    return Status::error(str_cat("calibrate: ", trace_path, " is not a Chrome trace of `moe train --trace`"));
+  const std::string& trace_path = runs[0].trace_path;
+  const std::vector<json>& metrics = runs[0].metrics;
 
   CalibrationResult res;
-  // Ranks and the global batch from the metrics.
-  std::map<int64_t, json> by_step;
-  for (json& m : metrics) by_step[m.at("step").get<int64_t>()] = m;
+  // Ranks and the global batch from the (first run's) metrics; every run must be of the same configuration.
   const json& first = metrics.front();
   const auto ranks_rows = first.at("tokens_per_rank").get<std::vector<std::vector<int64_t>>>();
   if (ranks_rows.empty()) return Status::error("calibrate: the metrics have no MoE layer");
   res.ranks = static_cast<int>(ranks_rows[0].size());
+  res.runs = static_cast<int>(runs.size());
   const int P = res.ranks;
   int64_t assignments = 0;
   const auto first_counts = first.at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
@@ -238,6 +253,14 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
     return Status::error(str_cat("calibrate: the run has ", P, " rank(s) and a batch of ", res.batch,
                                  " sequences (from tokens_per_expert and the model's top_k and seq_len): need >= 2 "
                                  "ranks of the model given with --model"));
+  for (size_t ri = 1; ri < runs.size(); ++ri) {
+    const json& f = runs[ri].metrics.front();
+    int64_t n = 0;
+    for (int64_t c : f.at("tokens_per_expert").at(0).get<std::vector<int64_t>>()) n += c;
+    if (f.at("tokens_per_rank").at(0).size() != static_cast<size_t>(P) || n != assignments)
+      return Status::error(str_cat("calibrate: run ", run_paths[ri], " is not of the configuration of ", run_paths[0],
+                                   " (ranks or batch differ): calibrate on runs of one configuration"));
+  }
   if (machine.threads_per_rank == 0) machine.threads_per_rank = std::max(1, machine.cpu_cores / P);
   graph::EpStepOptions opt;
   opt.world = P;
@@ -252,37 +275,36 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
     if (model.is_moe_layer(b)) moe_index[b] = static_cast<int>(i++);
   const double mats = model.activation == "swiglu" ? 3 : 2;
 
+  // Samples per (op name, rank), over every step of every run: (flops or bytes, time alone); each
+  // becomes one point of its medians, so a step the machine's other jobs slowed down does not pull the fit.
   // On a CPU machine whose cores the ranks' compute threads oversubscribed, an op's duration is its
   // time alone stretched by the sharing: the fit takes the time alone (CoreShare), as the executor
   // will stretch it again.
-  std::vector<std::pair<double, double>> all_compute;
-  for (const json& e : trace.at("traceEvents")) {
-    if (e.value("ph", "") != "X" || e.value("cat", "") != "compute") continue;
-    const double ts = e.at("ts").get<double>() * 1e-6;
-    all_compute.push_back({ts, ts + e.at("dur").get<double>() * 1e-6});
-  }
-  const CoreShare core_share(all_compute, machine.cpu_cores, machine.threads_per_rank);
-
-  // Samples per (op name, rank): (flops or bytes, time alone); each becomes one point of its medians,
-  // so a step the machine's other jobs slowed down does not pull the fit.
   std::map<std::pair<std::string, int>, std::vector<std::pair<double, double>>> flop_ops, byte_ops;
-  for (const json& e : trace.at("traceEvents")) {
-    if (e.value("ph", "") != "X") continue;
-    const json& a = e.at("args");
-    const std::string name = e.at("name").get<std::string>();
-    const double ts = e.at("ts").get<double>() * 1e-6;
-    const double t = core_share.work(ts, ts + e.at("dur").get<double>() * 1e-6);
-    const int64_t stp = a.at("step").get<int64_t>();
-    const int rank = e.at("pid").get<int>();
-    if (e.value("cat", "") == "compute") {
+  for (const Run& run : runs) {
+    std::vector<std::pair<double, double>> all_compute;
+    for (const json& e : run.trace.at("traceEvents")) {
+      if (e.value("ph", "") != "X" || e.value("cat", "") != "compute") continue;
+      const double ts = e.at("ts").get<double>() * 1e-6;
+      all_compute.push_back({ts, ts + e.at("dur").get<double>() * 1e-6});
+    }
+    const CoreShare core_share(all_compute, machine.cpu_cores, machine.threads_per_rank);
+    for (const json& e : run.trace.at("traceEvents")) {
+      if (e.value("ph", "") != "X" || e.value("cat", "") != "compute") continue;
+      const json& a = e.at("args");
+      const std::string name = e.at("name").get<std::string>();
+      const double ts = e.at("ts").get<double>() * 1e-6;
+      const double t = core_share.work(ts, ts + e.at("dur").get<double>() * 1e-6);
+      const int64_t stp = a.at("step").get<int64_t>();
+      const int rank = e.at("pid").get<int>();
       auto it = compute_ops.find(name);
       if (it == compute_ops.end())
         return Status::error(str_cat("calibrate: the trace's op \"", name, "\" is not in the EP graph of the model given"));
       const graph::Op& op = *it->second;
       double flops = op.cost.flops, bytes = static_cast<double>(op.cost.bytes);
       if (op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::expert_bwd) {
-        auto m = by_step.find(stp);
-        if (m == by_step.end() || op.layer < 0 || moe_index[op.layer] < 0) continue;
+        auto m = run.by_step.find(stp);
+        if (m == run.by_step.end() || op.layer < 0 || moe_index[op.layer] < 0) continue;
         const double rows = m->second.at("tokens_per_rank").at(moe_index[op.layer]).at(rank).get<double>();
         flops = (op.kind == graph::OpKind::expert_fwd ? 1 : 2) * 2 * mats * rows * model.d_model * model.d_ffn;
       }
@@ -354,31 +376,37 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
     std::string kind;
     std::vector<std::pair<int, std::pair<double, double>>> members;  // rank, [start, end]
   };
-  std::map<std::pair<int64_t, std::string>, Inst> insts;
-  std::map<int, std::vector<std::pair<double, double>>> compute_spans;  // by rank
-  for (const json& e : trace.at("traceEvents")) {
-    if (e.value("ph", "") != "X") continue;
-    const json& a = e.at("args");
-    const double ts = e.at("ts").get<double>() * 1e-6, te = ts + e.at("dur").get<double>() * 1e-6;
-    const int rank = e.at("pid").get<int>();
-    if (e.value("cat", "") == "compute") {
-      compute_spans[rank].push_back({ts, te});
-      continue;
+  // Instances by (run, step, op name); compute spans by (run, rank).
+  std::map<std::tuple<size_t, int64_t, std::string>, Inst> insts;
+  std::map<std::pair<size_t, int>, std::vector<std::pair<double, double>>> compute_spans;
+  for (size_t ri = 0; ri < runs.size(); ++ri) {
+    for (const json& e : runs[ri].trace.at("traceEvents")) {
+      if (e.value("ph", "") != "X") continue;
+      const json& a = e.at("args");
+      const double ts = e.at("ts").get<double>() * 1e-6, te = ts + e.at("dur").get<double>() * 1e-6;
+      const int rank = e.at("pid").get<int>();
+      if (e.value("cat", "") == "compute") {
+        compute_spans[{ri, rank}].push_back({ts, te});
+        continue;
+      }
+      const std::string kind = a.at("kind").get<std::string>();
+      const bool a2a =
+          kind == "dispatch_a2a" || kind == "combine_a2a" || kind == "dispatch_a2a_bwd" || kind == "combine_a2a_bwd";
+      if (!a2a && kind != "grad_allreduce" && kind != "gate_sync") continue;
+      Inst& in = insts[{ri, a.at("step").get<int64_t>(), e.at("name").get<std::string>()}];
+      in.kind = kind;
+      in.start = std::max(in.start, ts);
+      in.end = std::min(in.end, te);
+      // gate_sync records no bytes: the counts allgather's 8 K E bytes per member, as the simulator sizes it (load.h).
+      in.bytes =
+          kind == "gate_sync" ? 8.0 * model.top_k * model.n_experts : std::max(in.bytes, a.at("bytes").get<double>());
+      in.members.push_back({rank, {ts, te}});
     }
-    const std::string kind = a.at("kind").get<std::string>();
-    const bool a2a = kind == "dispatch_a2a" || kind == "combine_a2a" || kind == "dispatch_a2a_bwd" || kind == "combine_a2a_bwd";
-    if (!a2a && kind != "grad_allreduce" && kind != "gate_sync") continue;
-    Inst& in = insts[{a.at("step").get<int64_t>(), e.at("name").get<std::string>()}];
-    in.kind = kind;
-    in.start = std::max(in.start, ts);
-    in.end = std::min(in.end, te);
-    // gate_sync records no bytes: the counts allgather's 8 K E bytes per member, as the simulator sizes it (load.h).
-    in.bytes = kind == "gate_sync" ? 8.0 * model.top_k * model.n_experts : std::max(in.bytes, a.at("bytes").get<double>());
-    in.members.push_back({rank, {ts, te}});
   }
   for (auto& [r, spans] : compute_spans) std::sort(spans.begin(), spans.end());
-  auto busy = [&](int rank, double a, double b) {  // does a compute op of `rank` overlap (a, b)?
-    const auto& spans = compute_spans[rank];
+  // Does a compute op of `rank` in run `ri` overlap (a, b)?
+  auto busy = [&](size_t ri, int rank, double a, double b) {
+    const auto& spans = compute_spans[{ri, rank}];
     auto it = std::lower_bound(spans.begin(), spans.end(), std::make_pair(b, b));
     while (it != spans.begin()) {
       --it;
@@ -392,10 +420,11 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
     if (static_cast<int>(in.members.size()) < 2) continue;
     const double t = std::max(0.0, in.end - in.start);
     bool contended = false;
-    for (const auto& m : in.members) contended = contended || busy(m.first, in.start, std::max(in.end, in.start));
+    for (const auto& m : in.members)
+      contended = contended || busy(std::get<0>(key), m.first, in.start, std::max(in.end, in.start));
     for (auto* dst : {&all, contended ? nullptr : &clean}) {
       if (!dst) continue;
-      auto& [ts, bs, kind] = (*dst)[key.second];
+      auto& [ts, bs, kind] = (*dst)[std::get<2>(key)];
       ts.push_back(t);
       bs.push_back(in.bytes);
       kind = in.kind;
@@ -460,7 +489,9 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
 }
 
 std::string describe(const CalibrationResult& r) {
-  std::string s = str_cat("calibration of a ", r.ranks, "-rank run, batch ", r.batch, " sequences\n");
+  std::string s = r.runs == 1 ? str_cat("calibration of a ", r.ranks, "-rank run, batch ", r.batch, " sequences\n")
+                              : str_cat("calibration of ", r.runs, " runs of ", r.ranks, " ranks, batch ", r.batch,
+                                        " sequences\n");
   s += str_cat("  compute ops (", r.compute.n, "):  least squares t = ", r.compute.intercept * 1e6, " us + flops / ",
                1e-9 / r.compute.slope, " GFLOP/s (rms ", r.compute.rms * 1e6, " us; not used: see calibrate.h)\n");
   s += str_cat("  no-FLOP ops (", r.memory_ops.n, "):  least squares t = ", r.memory_ops.intercept * 1e6, " us + bytes / ",

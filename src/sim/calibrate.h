@@ -65,6 +65,7 @@ struct LinearFit {
 struct CalibrationResult {
   ClusterSpec cluster;
   int ranks = 0;
+  int runs = 1;       // runs of the configuration fitted
   int64_t batch = 0;  // global sequences per step of the run
   LinearFit compute, memory_ops;  // ordinary least squares lines over the ops with / without FLOPs (reported)
   double compute_model_rms = 0;    // residual rms of the fitted device's op_time over the ops with FLOPs
@@ -84,6 +85,11 @@ struct CalibrationMachine {
                              // resolves 0, max(1, cpu_cores / ranks)
 };
 Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out,
+                 CalibrationMachine machine = {});
+// The same over several runs of one configuration (same ranks and batch, else an error naming the
+// run): every op's medians are over the steps of all of them, so one run's level, which on a shared
+// machine moves by up to +-12% from run to run while its steps agree within +-3%, weighs 1/runs.
+Status calibrate(const std::vector<std::string>& runs, const ModelConfig& model, CalibrationResult* out,
                  CalibrationMachine machine = {});
 std::string describe(const CalibrationResult& r);  // the fit, as `moe sim --calibrate` prints it
 Status write_cluster_file(const std::string& path, const ClusterSpec& spec);  // atomically
