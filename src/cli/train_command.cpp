@@ -11,6 +11,9 @@
 
 #include "cli/commands.h"
 #include "runtime/trainer.h"
+#ifdef MOE_HAVE_CUDA
+#include "cuda/train.h"
+#endif
 
 namespace moe::cli {
 namespace {
@@ -126,6 +129,8 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--reshard-every", &TrainConfig::reshard_every,
             "hecate, smartmoe: move expert shards to new owners every N steps (0: never); flexmoe: re-plan at "
             "least every N steps");
+  bind_flag(c, f, "--device", &TrainConfig::device,
+            "cpu, or cuda: one GPU, one rank, strategy ep (checkpoints are the same files either way)");
   bind_flag(c, f, "--trace", &TrainConfig::trace, "write a Chrome trace (Perfetto) of all ranks to FILE");
   bind_flag(c, f, "--trace-steps", &TrainConfig::trace_steps, "steps the trace covers, from the first");
   bind_model_flag(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");
@@ -164,6 +169,10 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
     std::fprintf(stderr, "moe train: %s\n", s.message().c_str());
     return 2;
   }
+  if (cfg.device == "cuda" && f.ranks > 1) {
+    std::fprintf(stderr, "moe train: --device cuda trains on one GPU with one rank, not --ranks %d\n", f.ranks);
+    return 2;
+  }
   if (f.ranks > 0) {
     if (const char* size = std::getenv("OMPI_COMM_WORLD_SIZE")) {
       if (std::atoi(size) != f.ranks) {
@@ -174,7 +183,16 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
       return launch_ranks(f);  // returns only on failure
     }
   }
-  Status s = run_training(cfg);
+  Status s;
+  if (cfg.device == "cuda") {
+#ifdef MOE_HAVE_CUDA
+    s = cuda::train_on_gpu(cfg);
+#else
+    s = Status::error("--device cuda: this moe was built without CUDA (no nvcc when it was configured)");
+#endif
+  } else {
+    s = run_training(cfg);
+  }
   if (!s) {
     std::fprintf(stderr, "moe train: %s\n", s.message().c_str());
     return 1;

@@ -1,5 +1,6 @@
-// Elementwise kernels (ops.h): casts, add/scale, GELU, SwiGLU, AdamW. Grid-stride loops of 256
-// threads; the formulas are the CPU kernels' (tensor/ops.cpp), evaluated in f32.
+// Elementwise kernels (ops.h): casts, add/scale, GELU, SwiGLU, AdamW and the sum of squares of the
+// gradient norm. Grid-stride loops of 256 threads; the formulas are the CPU kernels' (tensor/ops.cpp),
+// evaluated in f32.
 #include "cuda/kernel_util.cuh"
 
 namespace moe::cuda {
@@ -76,7 +77,35 @@ __global__ void adamw_kernel(float* param, T* param_out, const T* grad, float* m
   }
 }
 
+// *out = sum of x[i]^2 in double: one block; thread t sums i = t, t + blockDim, ... in order, then a
+// tree over the threads in shared memory. The order is fixed by the block shape: deterministic.
+constexpr int kSumThreads = 256;
+template <typename T>
+__global__ void sum_squares_kernel(double* out, const T* x, int64_t n) {
+  __shared__ double partial[kSumThreads];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kSumThreads) {
+    const double v = load(x, i);
+    s += v * v;
+  }
+  partial[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = kSumThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = partial[0];
+}
+
 }  // namespace
+
+Status sum_squares(Context& ctx, DType dt, double* out, const void* x, int64_t n) {
+  if (n < 0) return Status::error(str_cat("cuda sum_squares: REQUIRES n >= 0, got ", n));
+  return dispatch(dt, [&]<typename T>() {
+    sum_squares_kernel<T><<<1, kSumThreads, 0, ctx.stream()>>>(out, static_cast<const T*>(x), n);
+    return launched("sum_squares");
+  });
+}
 
 Status cast_f32_to(Context& ctx, DType dt, void* out, const float* inp, int64_t n) {
   return dispatch(dt, [&]<typename T>() {

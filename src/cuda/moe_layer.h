@@ -1,17 +1,22 @@
-// The MoE layer on one GPU, built from cuda/ops.h: router (linear, softmax, top-k, renormalized gate
-// weights), permute to expert-contiguous rows, the experts' two grouped GEMMs around GELU, and the
-// gate-scaled un-permute; backward through all of it. Dropless (no capacity), no auxiliary losses:
-// the expert-parallel, capacity and loss logic stay in moe/moe_layer.h; this is the compute a GPU
-// rank runs between its all-to-alls, and what `moe bench cuda` times.
+// The MoE layer on one GPU, built from cuda/ops.h: the CPU layer's single-process math (moe/moe_layer.h)
+// op for op: router (linear, optional constant bias, softmax, top-k, gate weights), the aux and z
+// losses, expert-contiguous layout with optional capacity dropping, permute, the experts' grouped GEMMs
+// around GELU or SwiGLU, and the gate-scaled un-permute; backward through all of it, the losses'
+// gradients included. No expert parallelism: this is the compute a GPU rank runs between its
+// all-to-alls, what `moe bench cuda` times, and the MoE block of cuda::GpuModel (gpu_model.h).
 //
 // Math, per token n (letters: tensor/tensor.h):
-//   probs[n,:] = softmax(x[n] wg^T);  (e_k, p_k) = top-k;  g_k = p_k / sum_j p_j (K > 1)
-//   y[n] = sum_k g_k * w2[e_k] gelu(w1[e_k] x[n])
-// Weights (device, storage type dt): wg [E,C], w1 [E,F,C], w2 [E,C,F]; gradients the same shapes,
-// ACCUMULATED by backward (zero them per step).
+//   probs[n,:] = softmax(x[n] wg^T + bias);  (e_k, p_k) = top-k;  g_k = p_k / sum_j p_j (K > 1, renormalize)
+//   y[n] = sum_k g_k * w2[e_k] act(x[n])    act = gelu(w1 x)  or  silu(w1 x) * (w3 x)  (SwiGLU)
+//   aux = E sum_e f_e P_e;  z = mean_n lse_n^2  (moe/router.h; their gradients weighted by MoeShape)
+//   capacity_factor > 0: expert e keeps its first moe::expert_capacity(cf, N, K, E) assignments in the
+//   global order of moe/layout.h (the host runs that very layout code), a dropped one contributes 0.
+// Weights (device, storage type dt): wg [E,C], w1 [E,F,C], w2 [E,C,F], w3 [E,F,C] (SwiGLU); gradients
+// the same shapes, ACCUMULATED by backward (zero them per step).
 //
 // The layout (expert counts and each assignment's row) is built on the host from the top-k indices:
-// forward synchronizes the stream once for it, as the EP path must (the counts size the all-to-all).
+// forward synchronizes the stream once for it, as the EP path must (the counts size the all-to-all),
+// and reads the losses' statistics back with it.
 // Thread safety: none; one thread drives a layer and its Context.
 #pragma once
 
@@ -20,13 +25,21 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "moe/moe_layer.h"
 
 namespace moe::cuda {
 
 struct MoeShape {
   int64_t C = 0, F = 0, E = 0, K = 0;
   bool renormalize = true;
+  bool swiglu = false;            // experts silu(w1 x) * (w3 x) instead of gelu(w1 x)
+  float capacity_factor = 0.0f;   // 0: dropless
+  float aux_loss_weight = 0.0f;   // weights of the losses' gradients in backward (the losses are
+  float z_loss_weight = 0.0f;     // computed either way: aux_loss(), z_loss())
+  std::vector<float> router_bias = {};  // [E] constant added to every token's logits, or empty for none
 };
+// The shape of the CPU layer's configuration (moe/moe_layer.h), its losses, capacity and bias included.
+MoeShape moe_shape(const moe::MoeConfig& c);
 
 class MoeLayer {
  public:
@@ -40,16 +53,26 @@ class MoeLayer {
   // dx[N,C] += d/dx, weight gradients += d/dW, for the x of the last forward.
   Status backward(void* dx, const void* dy);
 
+  const MoeShape& shape() const { return s_; }
   void* wg() { return wg_.get(); }
   void* w1() { return w1_.get(); }
   void* w2() { return w2_.get(); }
+  void* w3() { return w3_.get(); }  // null unless SwiGLU
   void* dwg() { return dwg_.get(); }
   void* dw1() { return dw1_.get(); }
   void* dw2() { return dw2_.get(); }
-  // Rows each expert received in the last forward (host), and the FLOPs of one forward+backward
-  // over them (router and experts: 2 per multiply-add, backward twice the forward).
-  const std::vector<int64_t>& expert_offsets() const { return off_; }
+  void* dw3() { return dw3_.get(); }  // null unless SwiGLU
+  // Rows each expert received in the last forward (host: its kept assignments), and the FLOPs of one
+  // forward+backward over them (router and experts: 2 per multiply-add, backward twice the forward).
+  const std::vector<int64_t>& expert_offsets() const { return routing_.expert_offset; }
   double flops_forward_backward() const;
+  // The last forward's routing on the host (moe::Routing's layout fields: expert, expert_offset,
+  // row_token, row_assignment, tokens_per_expert, dropped; prob and weight are not kept here).
+  const moe::Routing& routing() const { return routing_; }
+  // The last forward's unweighted losses, and aux_loss_weight * aux + z_loss_weight * z.
+  float aux_loss() const { return aux_loss_; }
+  float z_loss() const { return z_loss_; }
+  float weighted_loss() const { return s_.aux_loss_weight * aux_loss_ + s_.z_loss_weight * z_loss_; }
 
  private:
   MoeLayer(Context& ctx, DType dt, const MoeShape& s, int64_t max_tokens) : ctx_(ctx), dt_(dt), s_(s), max_n_(max_tokens) {}
@@ -60,12 +83,17 @@ class MoeLayer {
   MoeShape s_;
   int64_t max_n_, n_ = 0, rows_ = 0;
   const void* x_ = nullptr;  // the last forward's input (caller-owned; must live until backward)
-  DeviceBuffer wg_, w1_, w2_, dwg_, dw1_, dw2_;
-  DeviceBuffer logits_, probs_, top_values_, top_index_, gate_, token_rows_, row_token_, ones_;
-  DeviceBuffer xp_, h_, act_, out_rows_;                        // [R,C] [R,F] [R,F] [R,C]
-  DeviceBuffer d_out_rows_, dact_, dh_, dxp_, dgate_, dprobs_, dlogits_;
-  std::vector<int32_t> host_index_, host_token_rows_, host_row_token_;
-  std::vector<int64_t> off_;
+  DeviceBuffer wg_, w1_, w2_, w3_, dwg_, dw1_, dw2_, dw3_;      // w3_, dw3_: SwiGLU only
+  DeviceBuffer logits_, probs_, top_values_, top_index_, gate_, token_rows_, row_token_, ones_;  // [N,E] [N,E] [N,K]x4 [R] [N*K]
+  DeviceBuffer bias_, lse_, prob_sum_, load_frac_;              // [E] f32, [N] f32, [E] f64, [E] f32
+  DeviceBuffer xp_, h_, h3_, act_, out_rows_;                   // [R,C] [R,F] [R,F] [R,F] [R,C] (h3_: SwiGLU)
+  DeviceBuffer d_out_rows_, dact_, dh_, dh3_, dxp_, dgate_, dprobs_, dlogits_;  // [R,C] [R,F]x3 [R,C] [N,K] [N,E]x2
+  moe::Routing routing_;                                        // host layout of the last forward
+  std::vector<int64_t> layout_scratch_;
+  std::vector<int32_t> host_token_rows_;                        // [N*K] row of each assignment, -1 if dropped
+  std::vector<float> host_lse_, host_load_frac_;                // [N], [E]
+  std::vector<double> host_prob_sum_;                           // [E]
+  float aux_loss_ = 0, z_loss_ = 0;
 };
 
 }  // namespace moe::cuda

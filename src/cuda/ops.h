@@ -88,6 +88,21 @@ Status gate_weights_backward(Context& ctx, DType dt, void* dprobs /*[N,E]*/, con
                              const float* values /*[N,K]*/, const int32_t* indices /*[N,K]*/, int64_t N, int64_t E,
                              int64_t K, bool renormalize);
 
+// ---- router extras: bias, aux and z losses (moe/router.h's arithmetic) -------------------------------
+// a[n,d] += scale * v[d] for every row n (v is f32; the product is rounded before the sum, as the CPU's
+// two steps round): the router bias on the logits (scale 1) and the aux loss's gradient on the
+// probabilities (v = f_e, scale = aux_loss_weight * E / N).
+Status add_row_vector(Context& ctx, DType dt, void* a /*[N,D]*/, const float* v /*[D]*/, float scale, int64_t N,
+                      int64_t D);
+// What the aux and z losses need, computed as router_loss_forward does on the CPU (double arithmetic,
+// rows in order): lse[n] = logsumexp(logits[n,:]) and prob_sum[d] = sum_n probs[n,d] (device doubles).
+// One thread per row / column, no atomics. REQUIRES: D >= 1.
+Status router_stats_forward(Context& ctx, DType dt, float* lse /*[N]*/, double* prob_sum /*[D]*/,
+                            const void* logits /*[N,D]*/, const void* probs /*[N,D]*/, int64_t N, int64_t D);
+// The z loss's gradient: dlogits[n,d] += (scale * lse[n]) * probs[n,d] (scale = z_loss_weight * 2 / N).
+Status router_z_backward(Context& ctx, DType dt, void* dlogits /*[N,D]*/, const float* lse /*[N]*/,
+                         const void* probs /*[N,D]*/, float scale, int64_t N, int64_t D);
+
 // ---- norms ---------------------------------------------------------------------------------------
 Status layernorm_forward(Context& ctx, DType dt, void* out /*[N,C]*/, float* mean /*[N]*/, float* rstd /*[N]*/,
                          const void* inp /*[N,C]*/, const void* weight /*[C]*/, const void* bias /*[C]*/, int64_t N,
@@ -154,5 +169,8 @@ Status combine_rows_backward(Context& ctx, DType dt, void* drows /*[R,C]*/, floa
 Status adamw_update(Context& ctx, DType dt, float* param /*[n]*/, void* param_out /*[n] or null*/,
                     const void* grad /*[n]*/, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
                     float eps, float weight_decay, int64_t t);
+// *out (one device double) = sum_i x[i]^2 in double arithmetic: a gradient's share of the global norm
+// (AdamW::clip_grad_norm). One thread block in a fixed order: deterministic.
+Status sum_squares(Context& ctx, DType dt, double* out /*device [1]*/, const void* x /*[n]*/, int64_t n);
 
 }  // namespace moe::cuda

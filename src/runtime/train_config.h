@@ -63,6 +63,10 @@ struct TrainConfig {
   double link_gbs = 10;           // GB/s the planners' cost models assume for moving expert weights
   double gemm_gflops = 100;       // GFLOP/s FasterMoE's cost model assumes for expert GEMMs
   int64_t reshard_every = 100;    // hecate (Alg. 2), smartmoe: re-shard experts every N steps (0: never)
+  // Where the model trains: "cpu" (this process's cores; any rank count and strategy) or "cuda" (one
+  // GPU, one rank, strategy ep: cuda/train.h). Checkpoints are the same files either way, so a run
+  // may move between them on --resume.
+  std::string device = "cpu";
 
   // Every field and combination; the message names the key and value.
   Status validate() const;

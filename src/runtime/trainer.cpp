@@ -41,12 +41,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::string hex64(uint64_t x) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
-  return buf;
-}
-
 // max/mean of the kept assignments per expert: 1.0 is perfect balance, E is one expert taking all.
 double imbalance(const std::vector<int64_t>& tokens_per_expert) {
   if (tokens_per_expert.empty()) return 1.0;
@@ -165,23 +159,11 @@ Status check_same_everywhere(Ranks& ranks, const TrainConfig& cfg, const TextDat
   return Status::ok();
 }
 
-// The parts of the config a resumed run must share with the checkpoint for the result to be the run
-// that never stopped. Paths, logging, the stop point and the strategy (speed only) may differ.
 // Entry i of every pair in a rank-major [ranks][2] allgather result.
 std::vector<double> per_rank(const std::vector<double>& pairs, size_t i) {
   std::vector<double> out;
   for (size_t r = 0; 2 * r + i < pairs.size(); ++r) out.push_back(pairs[2 * r + i]);
   return out;
-}
-
-json resume_identity(const TrainConfig& c) {
-  json j = c.to_json();
-  for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
-                        "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
-                        "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "reshard_every"})
-    j.erase(k);
-  return j;
 }
 
 // Appends whole JSON lines and flushes each, so a killed run leaves only complete lines.
@@ -279,23 +261,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   if (!cfg.resume.empty()) {
     json state;
     if (Status s = runtime::load_sharded_checkpoint(cfg.resume, &opt, &state); !s) return s;
-    try {
-      start = state.at("step").get<int64_t>();
-      if (state.at("data_hash").get<std::string>() != hex64(ds.content_hash()))
-        return Status::error("resume: checkpoint " + cfg.resume + " was trained on different data (corpus hash " +
-                             state.at("data_hash").get<std::string>() + ", this corpus " +
-                             hex64(ds.content_hash()) + ")");
-      json was = state.at("identity"), now = resume_identity(cfg);
-      for (auto& [key, value] : now.items())
-        if (!was.contains(key) || was[key] != value)
-          return Status::error("resume: checkpoint " + cfg.resume + " has " + key + " = " +
-                               (was.contains(key) ? was[key].dump() : "(absent)") + ", this run has " + value.dump());
-    } catch (const json::exception& e) {
-      return Status::error("resume: " + cfg.resume + "/state.json is incomplete: " + e.what());
-    }
-    if (start >= cfg.steps)
-      return Status::error("resume: checkpoint " + cfg.resume + " is at step " + std::to_string(start) +
-                           ", nothing left of " + std::to_string(cfg.steps) + " steps");
+    if (Status s = check_resume(cfg, state, ds.content_hash(), &start); !s) return s;
     // Continue with the GEMM kernel that wrote the checkpoint (the two backends round differently).
     if (state.contains("gemm") && state["gemm"].is_string() && !std::getenv("MOE_GEMM"))
       pin_gemm_backend(state["gemm"].get<std::string>(), "as in checkpoint " + cfg.resume);
@@ -642,7 +608,45 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
 
 }  // namespace
 
+std::string hex64(uint64_t x) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
+json resume_identity(const TrainConfig& c) {
+  json j = c.to_json();
+  for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
+                        "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
+                        "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
+                        "load_window", "link_gbs", "gemm_gflops", "reshard_every", "device"})
+    j.erase(k);
+  return j;
+}
+
+Status check_resume(const TrainConfig& cfg, const json& state, uint64_t data_hash, int64_t* start) {
+  try {
+    *start = state.at("step").get<int64_t>();
+    if (state.at("data_hash").get<std::string>() != hex64(data_hash))
+      return Status::error("resume: checkpoint " + cfg.resume + " was trained on different data (corpus hash " +
+                           state.at("data_hash").get<std::string>() + ", this corpus " + hex64(data_hash) + ")");
+    json was = state.at("identity"), now = resume_identity(cfg);
+    for (auto& [key, value] : now.items())
+      if (!was.contains(key) || was[key] != value)
+        return Status::error("resume: checkpoint " + cfg.resume + " has " + key + " = " +
+                             (was.contains(key) ? was[key].dump() : "(absent)") + ", this run has " + value.dump());
+  } catch (const json::exception& e) {
+    return Status::error("resume: " + cfg.resume + "/state.json is incomplete: " + e.what());
+  }
+  if (*start >= cfg.steps)
+    return Status::error("resume: checkpoint " + cfg.resume + " is at step " + std::to_string(*start) +
+                         ", nothing left of " + std::to_string(cfg.steps) + " steps");
+  return Status::ok();
+}
+
 Status run_training(const TrainConfig& cfg) {
+  if (cfg.device != "cpu")
+    return Status::error("run_training trains on the CPU; device " + cfg.device + " runs through cuda/train.h");
   Ranks ranks;
   if (started_by_mpirun()) {
     if (Status s = comm::MpiSession::start(&ranks.session); !s) return s;

@@ -2,14 +2,31 @@
 // validation, metrics (JSON lines) and checkpoints with exact resume.
 #pragma once
 
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
 #include "runtime/train_config.h"
 #include "util/status.h"
 
 namespace moe {
 
-// Trains per cfg, printing progress to stdout. REQUIRES: cfg.validate() ok.
+// Trains per cfg on the CPU (cfg.device "cpu"; the GPU loop is cuda/train.h, which the `moe` command
+// calls for "cuda"), printing progress to stdout. REQUIRES: cfg.validate() ok.
 // Errors a user can cause (missing data, bad checkpoint) come back as a Status; nothing written is
 // left half-written (checkpoints are atomic, metrics lines are flushed whole).
 Status run_training(const TrainConfig& cfg);
+
+// Shared with the GPU loop, so that a checkpoint moves between devices:
+// 16 hex digits, as state.json writes the corpus hash ("data_hash").
+std::string hex64(uint64_t x);
+// The parts of the config a resumed run must share with the checkpoint ("identity" in state.json)
+// for the result to be the run that never stopped; paths, logging, the stop point, the strategy and
+// the device (speed only) may differ.
+nlohmann::json resume_identity(const TrainConfig& c);
+// Checks a loaded checkpoint's state against this run (step below cfg.steps, same corpus hash, same
+// identity) and returns its step in *start. Errors name the checkpoint and the key that differs.
+Status check_resume(const TrainConfig& cfg, const nlohmann::json& state, uint64_t data_hash, int64_t* start);
 
 }  // namespace moe

@@ -251,6 +251,54 @@ TEST_P(CudaOps, RouterSoftmaxAndTopK) {
   EXPECT_FALSE(topk_forward(*ctx_, dt_, nullptr, nullptr, gx, N, D, 17).is_ok());
 }
 
+// The router's bias, aux and z pieces (router_loss.cu) against moe/router.cpp's arithmetic, and the
+// gradient norm's sum of squares.
+TEST_P(CudaOps, RouterLossPiecesAndSumOfSquares) {
+  const int64_t N = 150, D = 12;
+  Vec a = in(N * D, 1), v = random_vec(D, 2), logits = in(N * D, 3, -3, 3), dl = in(N * D, 4);
+  void *ga = upload(a), *glogits = upload(logits), *gdl = upload(dl), *gprobs = upload(Vec(N * D));
+  float* gv = upload_f32(v);
+  // a[n,d] += 0.3 v[d]
+  ASSERT_TRUE(add_row_vector(*ctx_, dt_, ga, gv, 0.3f, N, D).is_ok());
+  for (int64_t i = 0; i < N * D; ++i) a[i] += 0.3f * v[i % D];
+  expect_close("add_row_vector", download(ga, a.size()), a);
+  // lse and the probabilities' column sums, from the GPU's softmax (as stored)
+  ASSERT_TRUE(softmax_forward(*ctx_, dt_, gprobs, glogits, N, D).is_ok());
+  const Vec probs = download(gprobs, N * D);
+  float* glse = upload_f32(Vec(N));
+  buffers_.emplace_back();
+  ASSERT_TRUE(buffers_.back().allocate(D * sizeof(double)).is_ok());
+  double* gsum = buffers_.back().as<double>();
+  ASSERT_TRUE(router_stats_forward(*ctx_, dt_, glse, gsum, glogits, gprobs, N, D).is_ok());
+  Vec lse(N);
+  std::vector<double> sum(D, 0.0), gpu_sum(D);
+  for (int64_t n = 0; n < N; ++n) {
+    const float* l = logits.data() + n * D;
+    float m = l[0];
+    for (int64_t d = 1; d < D; ++d) m = std::max(m, l[d]);
+    double s = 0;
+    for (int64_t d = 0; d < D; ++d) s += std::exp(static_cast<double>(l[d]) - m);
+    lse[n] = static_cast<float>(m + std::log(s));
+    for (int64_t d = 0; d < D; ++d) sum[d] += probs[n * D + d];
+  }
+  expect_close("router_stats_forward lse", download_f32(glse, N), lse);
+  ASSERT_TRUE(copy_to_host(*ctx_, gpu_sum.data(), gsum, D * sizeof(double)).is_ok());
+  for (int64_t d = 0; d < D; ++d) EXPECT_NEAR(gpu_sum[d], sum[d], 1e-9 * std::max(1.0, sum[d])) << "column " << d;
+  // dl[n,d] += (0.02 lse[n]) probs[n,d]
+  ASSERT_TRUE(router_z_backward(*ctx_, dt_, gdl, glse, gprobs, 0.02f, N, D).is_ok());
+  const Vec gpu_lse = download_f32(glse, N);
+  for (int64_t i = 0; i < N * D; ++i) dl[i] += (0.02f * gpu_lse[i / D]) * probs[i];
+  expect_close("router_z_backward", download(gdl, dl.size()), dl);
+  // sum of squares in double
+  const Vec x = in(5000, 5, -3, 3);
+  void* gx = upload(x);
+  ASSERT_TRUE(sum_squares(*ctx_, dt_, gsum, gx, static_cast<int64_t>(x.size())).is_ok());
+  double ss = 0, gpu_ss = 0;
+  for (float e : x) ss += static_cast<double>(e) * e;
+  ASSERT_TRUE(copy_to_host(*ctx_, &gpu_ss, gsum, sizeof(double)).is_ok());
+  EXPECT_NEAR(gpu_ss, ss, 1e-12 * ss) << "sum_squares";
+}
+
 TEST_P(CudaOps, LayerNormAndRmsNorm) {
   const int64_t N = 33, C = 200;
   Vec x = in(N * C, 1, -2, 2), w = in(C, 2, 0.5f, 1.5f), b = in(C, 3), dy = in(N * C, 4);
