@@ -327,15 +327,22 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     return s;
   };
 
-  // The trace covers steps (start, start + trace_steps], timed from an epoch every rank takes after
-  // one barrier (the same clock on one machine; within the barrier's skew across machines).
+  // The trace covers steps (start, start + trace_steps], timed from one epoch for all ranks: rank 0's
+  // moment on the realtime clock, which the ranks of one machine share exactly and machines share to
+  // NTP's accuracy. (Each rank taking its own epoch after a barrier leaves them apart by the barrier's
+  // exit skew: milliseconds when the ranks oversubscribe the cores, which misplaces a collective's
+  // members against each other.) Each rank holds the epoch on its steady clock, which the runtime's
+  // timelines use.
   std::vector<runtime::TraceRecord> trace_records;
   const int64_t trace_end = std::min(end, start + cfg.trace_steps);
   int64_t trace_epoch_ns = 0;
   if (!cfg.trace.empty()) {
+    auto ns = [](auto t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); };
+    int64_t epoch_realtime_ns = ns(std::chrono::system_clock::now());
     if (ranks.world)
-      if (Status s = ranks.world->barrier(); !s) return s;
-    trace_epoch_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+      if (Status s = ranks.world->broadcast(&epoch_realtime_ns, 1, 0); !s) return s;
+    const int64_t steady_now = ns(Clock::now()), realtime_now = ns(std::chrono::system_clock::now());
+    trace_epoch_ns = steady_now - (realtime_now - epoch_realtime_ns);
   }
   auto write_trace = [&]() -> Status {
     std::vector<int64_t> mine = runtime::flatten(trace_records), all = mine;
