@@ -18,9 +18,9 @@
 //
 // What the predictions use, all from the calibration run or measured facts:
 //   * this machine: the calibrated cluster of CPU ranks sharing its cores (hardware_concurrency): the
-//     executor shares the cores among the compute ops running at each moment (processor sharing,
-//     sim/executor.h), and where ranks * threads exceed the cores the shared-memory transfers slow by
-//     ranks * threads / cores relative to the calibration run (sim::shared_cores_cluster);
+//     executor shares the cores among the compute ops running at each moment (processor sharing) and
+//     gives the communication lanes, whose copies move the shared-memory transfers, what compute
+//     leaves (sim/executor.h, sim::shared_cores_cluster);
 //   * 2 hosts: the calibrated device and intra-host links, and between the hosts one NIC per host at the
 //     configured cap in payload bytes/s (the cap's bits / 8 over the frame bytes per TCP payload byte at
 //     MTU 1500, 1514 / 1448), latency 0: the emulation adds none (no netem on this kernel; the veth's
@@ -190,7 +190,7 @@ int sim_fidelity(const BenchOptions& opt) {
   std::vector<std::string> args;
   auto cluster_for = [&](const Case& c, const sim::CalibrationResult& from, sim::ClusterSpec* out) {
     if (!c.two_hosts) {
-      *out = sim::shared_cores_cluster(from, c.ranks, threads, cores);
+      *out = sim::shared_cores_cluster(from, threads, cores);
       return Status::ok();
     }
     const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};

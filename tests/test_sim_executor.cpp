@@ -156,6 +156,35 @@ TEST(SimExecutor, CpuRanksShareTheCoresAmongRunningComputeOps) {
   EXPECT_NEAR(end_s(res, 0, 1), 2.0, kNs);  // the empty exchange ends when its last member arrives
 }
 
+// CPU ranks' lanes get the cores compute leaves: an exchange ready at 0 waits while rank 0 computes
+// on the only core, then both lanes share it (each device link at half its bandwidth).
+TEST(SimExecutor, CpuLanesMoveDataOnTheCoresComputeLeaves) {
+  ClusterSpec spec = star_spec(2, 1e9, 0, unit_device());
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) {
+    g[r].add_stream("a2a", true);
+    compute(g[r], r == 0 ? 1e14 : 0);  // 1 s on rank 0
+    std::vector<int64_t> peer(2, 1000000000);
+    peer[r] = 0;
+    comm(g[r], 1, Collective::alltoallv, Group::world, 0, {}, 1000000000, peer);
+  }
+  {
+    const StepResult res = run(Cluster(spec), g);  // accelerators: the exchange beside the compute
+    EXPECT_NEAR(end_s(res, 0, 1), 1.0, kNs);
+  }
+  spec.cpu_cores = 1;
+  const Cluster cluster(spec);
+  const StepResult res = run(cluster, g);
+  EXPECT_NEAR(end_s(res, 0, 0), 1.0, kNs);  // the lanes take no share from compute
+  EXPECT_NEAR(end_s(res, 0, 1), 3.0, kNs);  // 1 GB at 0.5 GB/s from 1 s
+  EXPECT_NEAR(end_s(res, 1, 1), 3.0, kNs);
+  // With 2 cores the lanes of rank 1 and rank 0 get the core compute leaves: one lane each would need
+  // 2, one is free: half speed while rank 0 computes, then full: 0.5 GB by 1 s, the rest in 0.5 s.
+  spec.cpu_cores = 2;
+  const StepResult two = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(two, 0, 1), 1.5, kNs);
+}
+
 // Rank graphs for the priority test: an allreduce cut into two micro-ops on lane 2, ready at 0; an
 // all-to-all on lane 1 that becomes ready when a compute op ends while the first micro-op runs.
 std::vector<StepGraph> priority_graphs(int a2a_priority, double S) {

@@ -44,6 +44,29 @@ TEST(SimNetwork, EqualFlowsOnOneLinkShareItAndEndTogether) {
   }
 }
 
+// A link whose bandwidth changes (CPU lanes, executor.h): flows account their bytes at the old rate
+// and go on at the new one; at 0 they stall; a flow on another link is untouched.
+TEST(SimNetwork, ChangingABandwidthRetimesItsFlows) {
+  Network net = links({1e9, 1e9});
+  const int a = net.start_flow({0}, 1e9), b = net.start_flow({1}, 1e9);
+  net.advance(0.5);
+  net.set_bandwidth(0, 0.5e9);  // 0.5 GB left at 0.5 GB/s
+  EXPECT_DOUBLE_EQ(net.rate(a), 0.5e9);
+  EXPECT_DOUBLE_EQ(net.rate(b), 1e9);
+  EXPECT_NEAR(net.next_event_time(), 1.0, 1e-12);
+  EXPECT_EQ(net.advance(1.0), std::vector<int>{b});
+  net.set_bandwidth(0, 0);  // 0.25 GB left, stalled
+  EXPECT_EQ(net.rate(a), 0);
+  EXPECT_EQ(net.next_event_time(), kInf);
+  net.advance(2.0);
+  net.set_bandwidth(0, 1e9);
+  EXPECT_NEAR(net.next_event_time(), 2.25, 1e-12);
+  EXPECT_EQ(net.advance(net.next_event_time()), std::vector<int>{a});
+  EXPECT_NEAR(net.link_bytes(0), 1e9, 1);
+  EXPECT_THROW(net.set_bandwidth(0, -1), std::logic_error);
+  EXPECT_THROW(net.set_bandwidth(2, 1), std::logic_error);
+}
+
 // A flow of weight w stands for w flows (aggregated transfers): it gets w shares of a shared link, and
 // a link it shares with a narrower bottleneck's flow gives it what that flow leaves.
 TEST(SimNetwork, WeightedFlowsGetTheirSharesOfMaxMin) {

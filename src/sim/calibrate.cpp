@@ -157,13 +157,10 @@ double cpu_share(int ranks, int threads_per_rank, int cores) {
   return std::max(1.0, static_cast<double>(ranks) * threads_per_rank / cores);
 }
 
-ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int ranks, int threads_per_rank, int cores) {
-  const double f = cpu_share(ranks, threads_per_rank, cores) / cal.cores_share;
+ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int threads_per_rank, int cores) {
   ClusterSpec c = cal.cluster;
   c.cpu_cores = cores;
   c.cpu_threads_per_device = threads_per_rank;
-  if (f == 1) return c;
-  for (LinkSpec* l : {&c.node.device_pcie, &c.node.switch_uplink}) l->bandwidth /= f, l->latency *= f;
   return c;
 }
 
@@ -468,6 +465,14 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   if (!(inv_bw > 0)) res.notes.push_back("communication time does not grow with bytes: bandwidth 1e12 B/s");
   res.alpha = std::max(0.0, alpha);
   res.bandwidth = inv_bw > 0 ? 1 / inv_bw : 1e12;
+  // The fitted transfers ran with no compute on their members, every rank's lane polling: on a CPU
+  // machine of fewer cores than ranks each lane had cores / ranks of a core (executor.h), so the
+  // links' own bandwidth is that much higher.
+  if (machine.cpu_cores > 0 && P > machine.cpu_cores) {
+    res.bandwidth *= static_cast<double>(P) / machine.cpu_cores;
+    res.notes.push_back(str_cat("the transfers ran with ", P, " lanes on ", machine.cpu_cores,
+                                " cores: bandwidth scaled by ", static_cast<double>(P) / machine.cpu_cores));
+  }
   res.cores_share = machine.cpu_cores > 0 ? cpu_share(P, machine.threads_per_rank, machine.cpu_cores) : 1;
 
   ClusterSpec& c = res.cluster;

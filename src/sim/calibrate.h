@@ -41,7 +41,9 @@
 // reduced to its time alone under the executor's processor sharing (executor.h; the trace shows which
 // compute ops of all ranks ran at once), so a run that oversubscribed its cores fits the same device
 // as one that did not; the cluster records the machine (ClusterSpec::cpu_cores) and cores_share how
-// oversubscribed the run was (cpu_share), for the links, which are fitted as measured.
+// oversubscribed the run was (cpu_share). The links' bandwidth is fitted from transfers with every
+// lane polling and no compute: with more ranks than cores, scaled up by ranks / cores (the lanes'
+// share of a core then, executor.h).
 //
 // Predicting other configurations of the same machine from the result (shared_cores_cluster,
 // two_node_cluster) is documented at those functions.
@@ -109,14 +111,12 @@ double fit_compute_rate(const std::vector<double>& flops, const std::vector<doub
 // How much slower each thread runs when `ranks` ranks of `threads_per_rank` compute threads share
 // `cores` cores: max(1, ranks * threads_per_rank / cores). REQUIRES: all >= 1 (std::logic_error).
 double cpu_share(int ranks, int threads_per_rank, int cores);
-// The calibrated cluster for `ranks` ranks of `threads_per_rank` compute threads on `cores` cores of
-// the machine of the calibration run. Compute: the cluster's cpu_cores and cpu_threads_per_device,
-// so the executor shares the cores among the compute ops running at each moment (a rank waiting in
-// a collective leaves its share to the others). Links: the shared-memory transfers are copies by the
-// ranks' own cores, all of which run during an all-to-all, so with f = cpu_share(ranks, threads,
-// cores) / cal.cores_share the device links' bandwidth is divided by f and their latency multiplied
-// by f (a static approximation: a transfer that overlaps compute shares the cores too).
-ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int ranks, int threads_per_rank, int cores);
+// The calibrated cluster for ranks of `threads_per_rank` compute threads on `cores` cores of the
+// machine of the calibration run: its cpu_cores and cpu_threads_per_device, so that the executor
+// shares the cores among the compute ops running at each moment and gives the communication lanes
+// what they leave (executor.h): a rank waiting in a collective leaves its share to the others, and
+// the shared-memory copies, done by the ranks' own lanes, slow when the cores are busy.
+ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int threads_per_rank, int cores);
 // The calibrated device and intra-node links on two nodes of `ranks_per_node` devices each, joined by
 // one NIC per node of link `nic` (its bandwidth in payload bytes/s and latency: an emulated NIC's
 // configured cap is its datasheet) through one non-blocking switch. A flow between the nodes crosses

@@ -138,6 +138,7 @@ class Collectives {
   int in_flight() const { return in_flight_; }
   int64_t transfers_started() const { return transfers_started_; }  // flows started so far
   const Network& network() const { return net_; }
+  void set_link_bandwidth(int link, double bandwidth) { net_.set_bandwidth(link, bandwidth); }  // Network::set_bandwidth
   const Cluster& cluster() const { return cluster_; }
 
  private:

@@ -218,6 +218,30 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     for (Sharing& x : sharing) x.work = std::max(0.0, x.work - (now - share_since) * share);
     share_since = now;
   };
+  // The lanes of a CPU cluster: a rank whose communication op runs polls it on a core, and its
+  // transfers move only while it gets one. The cores the compute ops leave, max(0, cores - demand), go
+  // to the k polling ranks, at most one each: lane share = min(1, free / k). Each rank's device links
+  // (its copies in and out) run at that share of their bandwidth.
+  std::vector<int> polling(cpu_cores > 0 ? R : 0, 0);  // running communication ops per rank
+  int polling_ranks = 0;
+  double lane_share = 1;
+  std::vector<std::pair<int, double>> lane_links;  // (link, full bandwidth): every rank's device links
+  if (cpu_cores > 0 && R > 1) {
+    for (int r = 0; r < R; ++r) {
+      const int d = cfg_.device_of_rank[r], other = cfg_.device_of_rank[r == 0 ? 1 : 0];
+      for (int l : {cluster_.route(d, other).front(), cluster_.route(other, d).back()})
+        lane_links.push_back({l, cluster_.links()[l].bandwidth});
+    }
+  }
+  auto update_lanes = [&]() {
+    if (lane_links.empty()) return;
+    const double demand = static_cast<double>(sharing.size()) * cluster_.spec().cpu_threads_per_device;
+    const double free = std::max(0.0, cpu_cores - demand);
+    const double s = polling_ranks > 0 ? std::min(1.0, free / polling_ranks) : 1.0;
+    if (s == lane_share) return;
+    lane_share = s;
+    for (const auto& [l, full] : lane_links) colls_.set_link_bandwidth(l, full * s);
+  };
   auto requeue_sharing = [&](double now, bool all) {  // after `sharing` changed; `all`: else only the last
     const double s = share_of(sharing.size());
     if (s != share) all = true;
@@ -258,6 +282,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     return true;
   };
   auto end_op = [&](int r, int op, double t) {
+    if (!polling.empty() && g0.ops[op].stream != 0 && --polling[r] == 0) --polling_ranks;
     state[at(r, op)] = kEnded;
     t_end[at(r, op)] = t;
     ++head[static_cast<size_t>(r) * n_streams + g0.ops[op].stream];
@@ -365,6 +390,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       }
       return;
     }
+    if (!polling.empty() && polling[r]++ == 0) ++polling_ranks;
     const int gi = group_index(o.group, r);
     const size_t k = inst_base[op] + gi;
     ++arrived[k];
@@ -388,6 +414,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     }
     if (!dirty_list.empty()) continue;  // members without transfers ended at once
     if (n_ended == n_total) break;
+    update_lanes();
     const double t = std::min(compute_ends.empty() ? kInf : compute_ends.top().t, colls_.next_event_time());
     if (t == kInf) {
       for (int r = 0; r < R; ++r)
@@ -416,6 +443,8 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     }
     take_member_ends();
   }
+
+  for (const auto& [l, full] : lane_links) colls_.set_link_bandwidth(l, full);  // idle lanes between steps
 
   // Results.
   StepResult& res = *out;

@@ -12,8 +12,12 @@
 //     (ClusterSpec::cpu_cores > 0) that is its work in seconds of its threads running alone, and the
 //     cores are shared: while n compute ops run (on any rank), each progresses at
 //     min(1, cpu_cores / (n * cpu_threads_per_device)) of that speed (processor sharing, as the OS
-//     scheduler time-slices the ranks' threads). Communication ops do not take a share: the
-//     runtime's lanes poll with sched_yield, which hands the core to any runnable compute thread;
+//     scheduler time-slices the ranks' threads). Communication ops do not take a share from compute:
+//     the runtime's lanes poll with sched_yield, which hands the core to any runnable compute thread.
+//     They get what compute leaves: with k ranks polling a running communication op, each gets
+//     min(1, max(0, cpu_cores - compute demand) / k) of a core, and its device links (the copies into
+//     and out of it) carry that share of their bandwidth (Network::set_bandwidth); so a transfer
+//     stalls while compute fills every core, and 4 ranks exchanging on 2 idle cores copy at half speed;
 //   * a collective op is "reached" on a rank when that rank may start it: it is then running there, as
 //     a blocking call is. Its flows start when every member of its group has reached it (the group:
 //     world, ep = consecutive world ranks [g*G, (g+1)*G), dp = the ranks with the same rank % G, as

@@ -195,6 +195,22 @@ double Network::link_load(int link) {
   return links_.at(link).load;
 }
 
+void Network::set_bandwidth(int link, double bandwidth) {
+  if (link < 0 || link >= n_links())
+    throw std::logic_error(str_cat("sim::Network::set_bandwidth: link ", link, " out of range"));
+  if (!std::isfinite(bandwidth) || bandwidth < 0)
+    throw std::logic_error(str_cat("sim::Network::set_bandwidth: bandwidth (", bandwidth, ") must be finite and >= 0"));
+  LinkState& l = links_[link];
+  if (l.bandwidth == bandwidth) return;
+  l.bandwidth = bandwidth;
+  // Recomputed with nothing frozen, as after a start: a change of capacity can move flows of any rate.
+  if (!l.dirty) {
+    l.dirty = true;
+    dirty_links_.push_back(link);
+  }
+  started_since_settle_ = true;
+}
+
 void Network::mark_dirty(int id) {
   for (const Hop& h : path(id)) {
     LinkState& l = links_[h.link];

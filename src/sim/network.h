@@ -74,6 +74,12 @@ class Network {
   double link_bytes(int link) const;
   // The sum of the rates of the flows on link l now.
   double link_load(int link);
+  // Changes link l's bandwidth from now() on (a link whose capacity varies: on a CPU cluster, the
+  // cores the ranks' communication lanes get, executor.h). The flows crossing it get new max-min rates
+  // as when a flow starts; at 0 they stall (no end time) until it rises again. REQUIRES: l in range,
+  // bandwidth finite and >= 0 (std::logic_error).
+  void set_bandwidth(int link, double bandwidth);
+  double bandwidth(int link) const { return links_.at(link).bandwidth; }
 
   // Flow rates recomputed so far, over all recomputations: what incremental recomputation saves.
   uint64_t rates_computed() const { return rates_computed_; }
