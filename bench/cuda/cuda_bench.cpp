@@ -211,6 +211,9 @@ int cuda_kernels(const BenchOptions& opt) {
   }
   std::printf("\nvs dense: GEMM rows = grouped TFLOP/s over the same-FLOPs dense GEMM's (goal >= 0.70); MoE layer row =\n"
               "its time over the dense time for its FLOPs (goal <= 1.30). sim err = sim::op_time / measured - 1.\n");
+  if (const int64_t n = cuda::grouped_gemm_fallbacks(); n > 0)
+    std::printf("NOTE: cuBLAS refused %lld grouped calls (NOT_SUPPORTED): the \"grouped\" rows timed the per-expert loop\n",
+                static_cast<long long>(n));
   return 0;
 }
 

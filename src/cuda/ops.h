@@ -60,6 +60,9 @@ Status grouped_gemm_weight_grad(Context& ctx, DType dt, void* dW /*[E,Nout,Kin]*
 // is tested and benchmarked against.
 Status grouped_gemm_looped(Context& ctx, DType dt, bool trans_w, void* Y, const void* X, const void* W,
                            const int64_t* off, int64_t E, int64_t Kin, int64_t Nout, float alpha, float beta);
+// Grouped calls that cuBLAS answered CUBLAS_STATUS_NOT_SUPPORTED and that ran as the per-expert loop
+// instead (same results, other speed), since the process started. Not thread-safe.
+int64_t grouped_gemm_fallbacks();
 
 // ---- elementwise ---------------------------------------------------------------------------------
 Status add_inplace(Context& ctx, DType dt, void* a, const void* b, int64_t n);  // a += b

@@ -95,9 +95,11 @@ namespace {
 __global__ void gate_weights_forward_kernel(float* weight, const float* values, int64_t N, int64_t K, bool renorm) {
   const int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (n >= N) return;
+  // The CPU's arithmetic (moe/router.cpp): one reciprocal, then products.
   float sum = 0;
   for (int64_t k = 0; k < K; ++k) sum += values[n * K + k];
-  for (int64_t k = 0; k < K; ++k) weight[n * K + k] = renorm ? values[n * K + k] / sum : values[n * K + k];
+  const float inv = 1.0f / sum;
+  for (int64_t k = 0; k < K; ++k) weight[n * K + k] = renorm ? values[n * K + k] * inv : values[n * K + k];
 }
 
 // w_k = p_k / S, S = sum_j p_j:  dL/dp_k = (dw_k - sum_j dw_j w_j) / S.
@@ -109,9 +111,10 @@ __global__ void gate_weights_backward_kernel(T* dprobs, const float* dweight, co
   for (int64_t e = 0; e < E; ++e) store(dprobs, n * E + e, 0.0f);
   float sum = 0, dot = 0;
   for (int64_t k = 0; k < K; ++k) sum += values[n * K + k];
-  for (int64_t k = 0; k < K; ++k) dot += dweight[n * K + k] * values[n * K + k] / sum;
+  const float inv = 1.0f / sum;
+  for (int64_t k = 0; k < K; ++k) dot += dweight[n * K + k] * values[n * K + k] * inv;
   for (int64_t k = 0; k < K; ++k) {
-    const float d = renorm ? (dweight[n * K + k] - dot) / sum : dweight[n * K + k];
+    const float d = renorm ? (dweight[n * K + k] - dot) * inv : dweight[n * K + k];
     store(dprobs, n * E + indices[n * K + k], d);
   }
 }
