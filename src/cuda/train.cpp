@@ -38,33 +38,6 @@ int launched_ranks() {
   return 1;
 }
 
-// max/mean of the kept assignments per expert (as the CPU loop's progress line).
-double imbalance(const std::vector<int64_t>& tokens_per_expert) {
-  const int64_t total = std::accumulate(tokens_per_expert.begin(), tokens_per_expert.end(), int64_t{0});
-  if (tokens_per_expert.empty() || total == 0) return 1.0;
-  const int64_t mx = *std::max_element(tokens_per_expert.begin(), tokens_per_expert.end());
-  return static_cast<double>(mx) * static_cast<double>(tokens_per_expert.size()) / static_cast<double>(total);
-}
-
-// Whole JSON lines, each flushed (a killed run leaves only complete lines).
-class MetricsWriter {
- public:
-  Status open(const std::string& path, bool append) {
-    if (path.empty()) return Status::ok();
-    out_.open(path, append ? std::ios::app : std::ios::trunc);
-    if (!out_) return Status::error("metrics: cannot open " + path + " for writing");
-    return Status::ok();
-  }
-  void write(const json& j) {
-    if (!out_.is_open()) return;
-    out_ << j.dump() << '\n';
-    out_.flush();
-  }
-
- private:
-  std::ofstream out_;
-};
-
 // Mean cross-entropy over the first `batches` validation batches (the CPU loop's windows).
 Status evaluate(GpuModel& model, const TextDataset& ds, int64_t B, int64_t batches, double* out) {
   const int64_t T = ds.seq_len();
@@ -237,14 +210,7 @@ Status train(const TrainConfig& cfg) {
     }
   }
 
-  if (end < cfg.steps) {
-    say("stopped at step %lld of %lld%s\n", (long long)end, (long long)cfg.steps,
-        cfg.checkpoint_dir.empty() ? "" : "; resume with --resume <checkpoint-dir>");
-    return Status::ok();
-  }
-  const double h = ds.unigram_entropy();
-  say("validation loss %.4f nats; unigram byte entropy %.4f nats; %.1f%% below\n", last_val, h,
-      100.0 * (h - last_val) / h);
+  say("%s", training_end_message(cfg, end, last_val, ds.unigram_entropy()).c_str());
   return Status::ok();
 }
 

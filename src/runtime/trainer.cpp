@@ -41,15 +41,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-// max/mean of the kept assignments per expert: 1.0 is perfect balance, E is one expert taking all.
-double imbalance(const std::vector<int64_t>& tokens_per_expert) {
-  if (tokens_per_expert.empty()) return 1.0;
-  int64_t total = std::accumulate(tokens_per_expert.begin(), tokens_per_expert.end(), int64_t{0});
-  if (total == 0) return 1.0;
-  int64_t mx = *std::max_element(tokens_per_expert.begin(), tokens_per_expert.end());
-  return static_cast<double>(mx) * tokens_per_expert.size() / total;
-}
-
 // This process's place among the ranks of the job (one rank when not started by mpirun).
 struct Ranks {
   std::unique_ptr<comm::MpiSession> session;
@@ -165,25 +156,6 @@ std::vector<double> per_rank(const std::vector<double>& pairs, size_t i) {
   for (size_t r = 0; 2 * r + i < pairs.size(); ++r) out.push_back(pairs[2 * r + i]);
   return out;
 }
-
-// Appends whole JSON lines and flushes each, so a killed run leaves only complete lines.
-class MetricsWriter {
- public:
-  Status open(const std::string& path, bool append) {
-    if (path.empty()) return Status::ok();
-    out_.open(path, append ? std::ios::app : std::ios::trunc);
-    if (!out_) return Status::error("metrics: cannot open " + path + " for writing");
-    return Status::ok();
-  }
-  void write(const json& j) {
-    if (!out_.is_open()) return;
-    out_ << j.dump() << '\n';
-    out_.flush();
-  }
-
- private:
-  std::ofstream out_;
-};
 
 Status train(const TrainConfig& cfg, Ranks& ranks) {
   const int64_t B = cfg.batch_size, T = cfg.model.seq_len;
@@ -602,18 +574,44 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     }
   }
 
-  if (end < cfg.steps) {
-    say("stopped at step %lld of %lld%s\n", (long long)end, (long long)cfg.steps,
-        cfg.checkpoint_dir.empty() ? "" : "; resume with --resume <checkpoint-dir>");
-    return Status::ok();
-  }
-  const double h = ds.unigram_entropy();
-  say("validation loss %.4f nats; unigram byte entropy %.4f nats; %.1f%% below\n", last_val, h,
-      100.0 * (h - last_val) / h);
+  say("%s", training_end_message(cfg, end, last_val, ds.unigram_entropy()).c_str());
   return Status::ok();
 }
 
 }  // namespace
+
+double imbalance(const std::vector<int64_t>& tokens_per_expert) {
+  if (tokens_per_expert.empty()) return 1.0;
+  int64_t total = std::accumulate(tokens_per_expert.begin(), tokens_per_expert.end(), int64_t{0});
+  if (total == 0) return 1.0;
+  int64_t mx = *std::max_element(tokens_per_expert.begin(), tokens_per_expert.end());
+  return static_cast<double>(mx) * tokens_per_expert.size() / total;
+}
+
+Status MetricsWriter::open(const std::string& path, bool append) {
+  if (path.empty()) return Status::ok();
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!out_) return Status::error("metrics: cannot open " + path + " for writing");
+  return Status::ok();
+}
+
+void MetricsWriter::write(const json& j) {
+  if (!out_.is_open()) return;
+  out_ << j.dump() << '\n';
+  out_.flush();
+}
+
+std::string training_end_message(const TrainConfig& cfg, int64_t end, double last_val, double h) {
+  char buf[256];
+  if (end < cfg.steps) {
+    std::snprintf(buf, sizeof buf, "stopped at step %lld of %lld%s\n", (long long)end, (long long)cfg.steps,
+                  cfg.checkpoint_dir.empty() ? "" : "; resume with --resume <checkpoint-dir>");
+  } else {
+    std::snprintf(buf, sizeof buf, "validation loss %.4f nats; unigram byte entropy %.4f nats; %.1f%% below\n", last_val,
+                  h, 100.0 * (h - last_val) / h);
+  }
+  return buf;
+}
 
 std::string hex64(uint64_t x) {
   char buf[17];

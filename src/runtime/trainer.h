@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <fstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -28,5 +30,24 @@ nlohmann::json resume_identity(const TrainConfig& c);
 // Checks a loaded checkpoint's state against this run (step below cfg.steps, same corpus hash, same
 // identity) and returns its step in *start. Errors name the checkpoint and the key that differs.
 Status check_resume(const TrainConfig& cfg, const nlohmann::json& state, uint64_t data_hash, int64_t* start);
+
+// max/mean of the kept assignments per expert: 1.0 is perfect balance, E is one expert taking all
+// (1.0 when there are none).
+double imbalance(const std::vector<int64_t>& tokens_per_expert);
+
+// The --metrics file: whole JSON lines, each flushed, so a killed run leaves only complete lines.
+// An empty path writes nothing. Not thread-safe.
+class MetricsWriter {
+ public:
+  Status open(const std::string& path, bool append);  // append: a resumed run continues the file
+  void write(const nlohmann::json& j);
+
+ private:
+  std::ofstream out_;
+};
+
+// The last line(s) of a training run that stopped after step `end`: how to resume when it stopped
+// early, else the final validation loss against the corpus's unigram entropy.
+std::string training_end_message(const TrainConfig& cfg, int64_t end, double last_val, double unigram_entropy);
 
 }  // namespace moe
