@@ -127,6 +127,15 @@ Status Context::pointer_scratch(size_t bytes, void** out) {
   return Status::ok();
 }
 
+Status Context::reduction_scratch(size_t bytes, void** out) {
+  if (partials_.bytes() < bytes) {
+    MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");  // queued reductions may still use it
+    if (Status s = partials_.allocate(bytes); !s) return s;
+  }
+  *out = partials_.get();
+  return Status::ok();
+}
+
 Status copy_to_device(Context& ctx, void* dst, const void* src, size_t bytes) {
   MOE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx.stream()), "copy to device");
   return ctx.synchronize();

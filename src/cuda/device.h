@@ -94,6 +94,9 @@ class Context {
   // Device scratch for the grouped GEMM's pointer arrays: at least `bytes`, grown as needed.
   // Stream-ordered reuse: a later call on the same stream may overwrite what an earlier one staged.
   Status pointer_scratch(size_t bytes, void** out);
+  // Device scratch for the partial sums of two-pass reductions (kernel_util.cuh's users): the same
+  // contract, a buffer of its own.
+  Status reduction_scratch(size_t bytes, void** out);
 
  private:
   Context() = default;
@@ -103,6 +106,7 @@ class Context {
   cublasLtHandle_t cublas_lt_ = nullptr;
   DeviceBuffer workspace_;
   DeviceBuffer pointers_;
+  DeviceBuffer partials_;
   bool tf32_ = false;
 };
 

@@ -286,6 +286,22 @@ TEST_P(CudaOps, RouterLossPiecesAndSumOfSquares) {
   expect_close("router_stats_forward lse", download_f32(glse, N), lse);
   ASSERT_TRUE(copy_to_host(*ctx_, gpu_sum.data(), gsum, D * sizeof(double)).is_ok());
   for (int64_t d = 0; d < D; ++d) EXPECT_NEAR(gpu_sum[d], sum[d], 1e-9 * std::max(1.0, sum[d])) << "column " << d;
+  {
+    // Column sums over several row chunks (512 rows each) and column tiles (32 columns each).
+    const int64_t N2 = 1300, D2 = 40;
+    void *gl2 = upload(in(N2 * D2, 6, -3, 3)), *gp2 = upload(Vec(N2 * D2));
+    ASSERT_TRUE(softmax_forward(*ctx_, dt_, gp2, gl2, N2, D2).is_ok());
+    const Vec p2 = download(gp2, N2 * D2);
+    float* glse2 = upload_f32(Vec(N2));
+    buffers_.emplace_back();
+    ASSERT_TRUE(buffers_.back().allocate(D2 * sizeof(double)).is_ok());
+    double* gsum2 = buffers_.back().as<double>();
+    ASSERT_TRUE(router_stats_forward(*ctx_, dt_, glse2, gsum2, gl2, gp2, N2, D2).is_ok());
+    std::vector<double> want(D2, 0.0), got(D2);
+    for (int64_t i = 0; i < N2 * D2; ++i) want[i % D2] += p2[i];
+    ASSERT_TRUE(copy_to_host(*ctx_, got.data(), gsum2, D2 * sizeof(double)).is_ok());
+    for (int64_t d = 0; d < D2; ++d) EXPECT_NEAR(got[d], want[d], 1e-9 * std::max(1.0, want[d])) << "column " << d;
+  }
   // dl[n,d] += (0.02 lse[n]) probs[n,d]
   ASSERT_TRUE(router_z_backward(*ctx_, dt_, gdl, glse, gprobs, 0.02f, N, D).is_ok());
   const Vec gpu_lse = download_f32(glse, N);
