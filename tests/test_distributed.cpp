@@ -315,7 +315,7 @@ TEST_F(Distributed, IndivisibleBatchIsRejectedOnEveryRank) {
 
 // The trace of a real 2-rank run (--trace) holds every op of the step graph once per rank and step,
 // and shows the runtime honouring it: no op starts before its dependencies and the previous op on its
-// stream ended. The metrics split each step into compute and exposed communication.
+// stream ended, and no collective ends on a rank before every rank started it. The metrics split each step into compute and exposed communication.
 TEST_F(Distributed, TraceOfATwoRankRunHonoursTheGraph) {
   const fs::path trace = dir_ / "trace.json", metrics = dir_ / "m.jsonl";
   TrainRun r = train(2, model_flags() + "--top-k 2 --steps 4 --trace-steps 2 --allreduce-micro-kb 1 --trace " +
@@ -363,6 +363,17 @@ TEST_F(Distributed, TraceOfATwoRankRunHonoursTheGraph) {
       for (int d : op.deps) EXPECT_GE(v[op.id].first + eps, v[d].second) << g.op_name(op) << " after " << d;
       EXPECT_GE(v[op.id].first + eps, stream_end[op.stream]) << g.op_name(op);
       stream_end[op.stream] = v[op.id].second;
+    }
+  }
+  // One clock for all ranks (rank 0's epoch): no member of a collective ends it before every member
+  // started it, which needs the ranks' records on one time base (the group is both ranks here).
+  for (int step : {1, 2}) {
+    for (const auto& op : g.ops) {
+      if (!moe::graph::is_communication(op.kind) || op.collective == moe::graph::Collective::none) continue;
+      for (int a : {0, 1})
+        for (int b : {0, 1})
+          EXPECT_GE(spans[std::make_pair(a, step)][op.id].second + eps, spans[std::make_pair(b, step)][op.id].first)
+              << g.op_name(op) << " step " << step << ": rank " << a << " ended before rank " << b << " started";
     }
   }
 
