@@ -276,6 +276,7 @@ Status GpuModel::forward(const int32_t* tokens, const int32_t* targets, int64_t 
       return Status::error(str_cat("cuda model: token or target ", i, " out of [0, ", V, ")"));
   B_ = B;
   T_ = T;
+  host_tokens_.assign(tokens, tokens + N);  // the embedding backward groups them on the host
   if (Status s = copy_to_device(ctx_, tokens_.get(), tokens, static_cast<size_t>(N) * sizeof(int32_t)); !s) return s;
   if (Status s = copy_to_device(ctx_, targets_.get(), targets, static_cast<size_t>(N) * sizeof(int32_t)); !s) return s;
   if (Status s = encoder_forward(); !s) return s;
@@ -443,7 +444,7 @@ Status GpuModel::attention_block_backward(Block& b, const float* x /*[N,C]*/) {
 
 Status GpuModel::encoder_backward() {
   // wte.grad [V,C] += dres rows by token;  wpe.grad [T,C] += dres rows by position
-  return embedding_backward(ctx_, kF32, g(wte_), g(wpe_), dres_.get(), tokens_.as<int32_t>(), B_, T_, cfg_.d_model);
+  return embedding_backward(ctx_, kF32, g(wte_), g(wpe_), dres_.get(), host_tokens_.data(), B_, T_, cfg_.d_model);
 }
 
 // ---- statistics ---------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ class GpuModel {
   int64_t B_ = 0, T_ = 0;
   double loss_ = 0;
   DeviceBuffer tokens_, targets_;   // [B,T] int32
+  std::vector<int32_t> host_tokens_;  // [B,T]: this step's tokens, for the embedding backward
   DeviceBuffer encoded_;            // [B,T,C] embedding output = input of block 0
   DeviceBuffer lnf_;                // [B,T,C] norm_f output
   DeviceBuffer lnf_mean_, lnf_rstd_;  // [B,T] f32 (mean: LayerNorm only)

@@ -136,10 +136,13 @@ Status attention_backward(Context& ctx, DType dt, void* dqkv /*[B,T,3C]*/, void*
 Status embedding_forward(Context& ctx, DType dt, void* out /*[B,T,C]*/, const int32_t* tokens /*[B,T]*/,
                          const void* wte /*[V,C]*/, const void* wpe /*[T,C]*/, int64_t B, int64_t T, int64_t C);
 // dwte and dwpe are f32 whatever dt is: a vocabulary row sums the gradients of every token that
-// reads it, too many roundings for bf16. One thread per column walks the tokens in order
-// (deterministic; no atomics).
+// reads it, too many roundings for bf16. Deterministic without atomics, and per element in the CPU
+// kernel's order: each distinct token's positions, grouped on the host (which is why the tokens are
+// a HOST array here: the caller has them), are added in order by one block; each position row by
+// one thread per element. REQUIRES: tokens in [0, V), B*T < 2^31.
 Status embedding_backward(Context& ctx, DType dt, float* dwte /*[V,C] or null*/, float* dwpe /*[T,C] or null*/,
-                          const void* dout /*[B,T,C]*/, const int32_t* tokens, int64_t B, int64_t T, int64_t C);
+                          const void* dout /*[B,T,C]*/, const int32_t* host_tokens /*host [B,T]*/, int64_t B,
+                          int64_t T, int64_t C);
 
 // ---- loss ------------------------------------------------------------------------------------------
 // Softmax cross-entropy per row: probs (f32) and losses[n] = -log probs[n, target[n]] (f32). The mean
