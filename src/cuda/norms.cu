@@ -1,6 +1,8 @@
 // LayerNorm and RMSNorm (ops.h). Row kernels: one block per row, block reductions in a fixed order.
-// Parameter gradients: one thread per column walks the rows in order (the CPU kernel's order), so
-// they are deterministic without atomics; reads are coalesced across the threads of a warp.
+// Parameter gradients: column sums in two fixed-order passes (norm_params_backward), deterministic
+// without atomics; reads are coalesced across the 32 columns of a block row.
+#include <algorithm>
+
 #include "cuda/kernel_util.cuh"
 
 namespace moe::cuda {
@@ -52,19 +54,77 @@ __global__ void layernorm_backward_input_kernel(T* dinp, const T* dout, const T*
   }
 }
 
-template <typename T>
-__global__ void layernorm_backward_params_kernel(T* dweight, T* dbias, const T* dout, const T* inp,
-                                                 const float* mean, const float* rstd, int64_t N, int64_t C) {
-  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (c >= C) return;
+// Parameter gradients in two passes, so that N rows spread over the GPU (one thread per column
+// walking every row used a few SMs for ~N serial steps): pass 1, block (x: kColumns columns, y: kLanes
+// lanes) of chunk k sums lane y's rows k*rows + y, + kLanes, ... then the lanes in order, into
+// partial[k, c] (and partial2 for LayerNorm's bias); pass 2 adds the chunks in order into the
+// gradient. Deterministic (fixed order, no atomics); the order differs from the CPU kernel's row by
+// row sum, within the f32 tolerance (ops.h).
+constexpr int kColumns = 32, kLanes = 8;
+
+int64_t rows_per_chunk(int64_t N) { return std::max<int64_t>(512, (N + 65534) / 65535); }  // grid.y <= 65535
+
+// RMS: only dw (partial2 null). LayerNorm: dw over (x - mean) rstd dy, db over dy.
+template <typename T, bool kLayerNorm>
+__global__ void norm_params_partial_kernel(float* partial, float* partial2, const T* dout, const T* inp,
+                                           const float* mean, const float* rstd, int64_t N, int64_t C,
+                                           int64_t rows) {
+  __shared__ float lane_dw[kLanes][kColumns], lane_db[kLanes][kColumns];
+  const int64_t c = blockIdx.x * (int64_t)kColumns + threadIdx.x;
+  const int64_t n0 = blockIdx.y * rows, n1 = n0 + rows < N ? n0 + rows : N;
   float dw = 0, db = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    const float dy = load(dout, n * C + c);
-    dw += (load(inp, n * C + c) - mean[n]) * rstd[n] * dy;
-    db += dy;
+  if (c < C) {
+    for (int64_t n = n0 + threadIdx.y; n < n1; n += kLanes) {
+      const float dy = load(dout, n * C + c);
+      const float x = kLayerNorm ? load(inp, n * C + c) - mean[n] : load(inp, n * C + c);
+      dw += x * rstd[n] * dy;
+      db += dy;
+    }
   }
-  if (dweight) store(dweight, c, load(dweight, c) + dw);
-  if (dbias) store(dbias, c, load(dbias, c) + db);
+  lane_dw[threadIdx.y][threadIdx.x] = dw;
+  lane_db[threadIdx.y][threadIdx.x] = db;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  float sw = 0, sb = 0;
+  for (int y = 0; y < kLanes; ++y) sw += lane_dw[y][threadIdx.x], sb += lane_db[y][threadIdx.x];
+  partial[blockIdx.y * C + c] = sw;
+  if (partial2) partial2[blockIdx.y * C + c] = sb;
+}
+
+// grad[c] += sum over chunks k in order of partial[k, c] (grad null: skipped).
+template <typename T>
+__global__ void add_column_partials_kernel(T* grad, const float* partial, int64_t chunks, int64_t C) {
+  MOE_GRID_LOOP(c, C) {
+    float s = 0;
+    for (int64_t k = 0; k < chunks; ++k) s += partial[k * C + c];
+    store(grad, c, load(grad, c) + s);
+  }
+}
+
+// Both passes; dbias only for LayerNorm (may be null, as may dweight).
+template <typename T, bool kLayerNorm>
+Status norm_params_backward(Context& ctx, T* dweight, T* dbias, const T* dout, const T* inp, const float* mean,
+                            const float* rstd, int64_t N, int64_t C, const char* what) {
+  const int64_t rows = rows_per_chunk(N), chunks = (N + rows - 1) / rows;
+  void* scratch = nullptr;
+  if (Status s = ctx.reduction_scratch(static_cast<size_t>(2 * chunks * C) * sizeof(float), &scratch); !s) return s;
+  float* partial = static_cast<float*>(scratch);
+  float* partial2 = kLayerNorm ? partial + chunks * C : nullptr;
+  const dim3 grid(static_cast<unsigned>((C + kColumns - 1) / kColumns), static_cast<unsigned>(chunks));
+  norm_params_partial_kernel<T, kLayerNorm><<<grid, dim3(kColumns, kLanes), 0, ctx.stream()>>>(
+      partial, partial2, dout, inp, mean, rstd, N, C, rows);
+  if (Status s = launched(what); !s) return s;
+  if (dweight) {
+    add_column_partials_kernel<T><<<blocks_for(C, kColumnThreads), kColumnThreads, 0, ctx.stream()>>>(dweight, partial,
+                                                                                                     chunks, C);
+    if (Status s = launched(what); !s) return s;
+  }
+  if (dbias) {
+    add_column_partials_kernel<T><<<blocks_for(C, kColumnThreads), kColumnThreads, 0, ctx.stream()>>>(dbias, partial2,
+                                                                                                     chunks, C);
+    if (Status s = launched(what); !s) return s;
+  }
+  return Status::ok();
 }
 
 template <typename T>
@@ -95,16 +155,6 @@ __global__ void rmsnorm_backward_input_kernel(T* dinp, const T* dout, const T* i
     store(dinp, row + c, load(dinp, row + c) + s * load(weight, c) * load(dout, row + c) - load(inp, row + c) * k);
 }
 
-template <typename T>
-__global__ void rmsnorm_backward_weight_kernel(T* dweight, const T* dout, const T* inp, const float* rstd, int64_t N,
-                                               int64_t C) {
-  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float dw = 0;
-  for (int64_t n = 0; n < N; ++n) dw += load(inp, n * C + c) * rstd[n] * load(dout, n * C + c);
-  store(dweight, c, load(dweight, c) + dw);
-}
-
 }  // namespace
 
 Status layernorm_forward(Context& ctx, DType dt, void* out, float* mean, float* rstd, const void* inp,
@@ -130,10 +180,11 @@ Status layernorm_backward(Context& ctx, DType dt, void* dinp, void* dweight, voi
       if (Status s = launched("layernorm_backward"); !s) return s;
     }
     if (dweight || dbias) {
-      layernorm_backward_params_kernel<T><<<blocks_for(C, kColumnThreads), kColumnThreads, 0, ctx.stream()>>>(
-          static_cast<T*>(dweight), static_cast<T*>(dbias), static_cast<const T*>(dout), static_cast<const T*>(inp),
-          mean, rstd, N, C);
-      if (Status s = launched("layernorm_backward (parameters)"); !s) return s;
+      if (Status s = norm_params_backward<T, true>(ctx, static_cast<T*>(dweight), static_cast<T*>(dbias),
+                                                   static_cast<const T*>(dout), static_cast<const T*>(inp), mean, rstd,
+                                                   N, C, "layernorm_backward (parameters)");
+          !s)
+        return s;
     }
     return Status::ok();
   });
@@ -160,9 +211,11 @@ Status rmsnorm_backward(Context& ctx, DType dt, void* dinp, void* dweight, const
       if (Status s = launched("rmsnorm_backward"); !s) return s;
     }
     if (dweight) {
-      rmsnorm_backward_weight_kernel<T><<<blocks_for(C, kColumnThreads), kColumnThreads, 0, ctx.stream()>>>(
-          static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const T*>(inp), rstd, N, C);
-      if (Status s = launched("rmsnorm_backward (weight)"); !s) return s;
+      if (Status s = norm_params_backward<T, false>(ctx, static_cast<T*>(dweight), static_cast<T*>(nullptr),
+                                                    static_cast<const T*>(dout), static_cast<const T*>(inp), nullptr,
+                                                    rstd, N, C, "rmsnorm_backward (weight)");
+          !s)
+        return s;
     }
     return Status::ok();
   });

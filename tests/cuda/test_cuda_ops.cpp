@@ -318,33 +318,36 @@ TEST_P(CudaOps, RouterLossPiecesAndSumOfSquares) {
 }
 
 TEST_P(CudaOps, LayerNormAndRmsNorm) {
-  const int64_t N = 33, C = 200;
-  Vec x = in(N * C, 1, -2, 2), w = in(C, 2, 0.5f, 1.5f), b = in(C, 3), dy = in(N * C, 4);
-  Vec dx = in(N * C, 5), dw = in(C, 6), db = in(C, 7);
-  void *gx = upload(x), *gw = upload(w), *gb = upload(b), *gdy = upload(dy), *gdx = upload(dx), *gdw = upload(dw),
-       *gdb = upload(db), *gy = upload(Vec(N * C));
-  float *gmean = upload_f32(Vec(N)), *grstd = upload_f32(Vec(N));
-  Vec y(N * C), mean(N), rstd(N);
-  ASSERT_TRUE(layernorm_forward(*ctx_, dt_, gy, gmean, grstd, gx, gw, gb, N, C, 1e-5f).is_ok());
-  moe::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-5f);
-  expect_close("layernorm_forward", download(gy, y.size()), y);
-  expect_close("layernorm_forward mean", download_f32(gmean, N), mean);
-  expect_close("layernorm_forward rstd", download_f32(grstd, N), rstd);
-  ASSERT_TRUE(layernorm_backward(*ctx_, dt_, gdx, gdw, gdb, gdy, gx, gw, gmean, grstd, N, C).is_ok());
-  moe::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
-  expect_close("layernorm_backward dinp", download(gdx, dx.size()), dx);
-  expect_close("layernorm_backward dweight", download(gdw, C), dw);
-  expect_close("layernorm_backward dbias", download(gdb, C), db);
+  // The second shape: parameter gradients over several 512-row chunks and a partial 32-column tile.
+  for (const auto& [N, C] : {std::pair<int64_t, int64_t>{33, 200}, std::pair<int64_t, int64_t>{1100, 70}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " C " + std::to_string(C));
+    Vec x = in(N * C, 1, -2, 2), w = in(C, 2, 0.5f, 1.5f), b = in(C, 3), dy = in(N * C, 4);
+    Vec dx = in(N * C, 5), dw = in(C, 6), db = in(C, 7);
+    void *gx = upload(x), *gw = upload(w), *gb = upload(b), *gdy = upload(dy), *gdx = upload(dx), *gdw = upload(dw),
+         *gdb = upload(db), *gy = upload(Vec(N * C));
+    float *gmean = upload_f32(Vec(N)), *grstd = upload_f32(Vec(N));
+    Vec y(N * C), mean(N), rstd(N);
+    ASSERT_TRUE(layernorm_forward(*ctx_, dt_, gy, gmean, grstd, gx, gw, gb, N, C, 1e-5f).is_ok());
+    moe::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-5f);
+    expect_close("layernorm_forward", download(gy, y.size()), y);
+    expect_close("layernorm_forward mean", download_f32(gmean, N), mean);
+    expect_close("layernorm_forward rstd", download_f32(grstd, N), rstd);
+    ASSERT_TRUE(layernorm_backward(*ctx_, dt_, gdx, gdw, gdb, gdy, gx, gw, gmean, grstd, N, C).is_ok());
+    moe::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(), N, C);
+    expect_close("layernorm_backward dinp", download(gdx, dx.size()), dx);
+    expect_close("layernorm_backward dweight", download(gdw, C), dw);
+    expect_close("layernorm_backward dbias", download(gdb, C), db);
 
-  Vec dx2 = in(N * C, 8), dw2 = in(C, 9);
-  void *gdx2 = upload(dx2), *gdw2 = upload(dw2);
-  ASSERT_TRUE(rmsnorm_forward(*ctx_, dt_, gy, grstd, gx, gw, N, C, 1e-5f).is_ok());
-  moe::rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
-  expect_close("rmsnorm_forward", download(gy, y.size()), y);
-  ASSERT_TRUE(rmsnorm_backward(*ctx_, dt_, gdx2, gdw2, gdy, gx, gw, grstd, N, C).is_ok());
-  moe::rmsnorm_backward(dx2.data(), dw2.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);
-  expect_close("rmsnorm_backward dinp", download(gdx2, dx2.size()), dx2);
-  expect_close("rmsnorm_backward dweight", download(gdw2, C), dw2);
+    Vec dx2 = in(N * C, 8), dw2 = in(C, 9);
+    void *gdx2 = upload(dx2), *gdw2 = upload(dw2);
+    ASSERT_TRUE(rmsnorm_forward(*ctx_, dt_, gy, grstd, gx, gw, N, C, 1e-5f).is_ok());
+    moe::rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+    expect_close("rmsnorm_forward", download(gy, y.size()), y);
+    ASSERT_TRUE(rmsnorm_backward(*ctx_, dt_, gdx2, gdw2, gdy, gx, gw, grstd, N, C).is_ok());
+    moe::rmsnorm_backward(dx2.data(), dw2.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C);
+    expect_close("rmsnorm_backward dinp", download(gdx2, dx2.size()), dx2);
+    expect_close("rmsnorm_backward dweight", download(gdw2, C), dw2);
+  }
 }
 
 TEST_P(CudaOps, CausalAttention) {
