@@ -1,6 +1,8 @@
 // Elementwise kernels (ops.h): casts, add/scale, GELU, SwiGLU, AdamW and the sum of squares of the
 // gradient norm. Grid-stride loops of 256 threads; the formulas are the CPU kernels' (tensor/ops.cpp),
 // evaluated in f32.
+#include <algorithm>
+
 #include "cuda/kernel_util.cuh"
 
 namespace moe::cuda {
@@ -77,32 +79,56 @@ __global__ void adamw_kernel(float* param, T* param_out, const T* grad, float* m
   }
 }
 
-// *out = sum of x[i]^2 in double: one block; thread t sums i = t, t + blockDim, ... in order, then a
-// tree over the threads in shared memory. The order is fixed by the block shape: deterministic.
+// *out = sum of x[i]^2 in double, in two passes, so that a large tensor spreads over the GPU (one
+// block for all of it walked n / 256 elements per thread): pass 1, block b sums x[b*kSumChunk,
+// (b+1)*kSumChunk) (each thread a fixed stride, then a fixed tree) into partial[b]; pass 2, one block
+// sums the partials the same way. Deterministic.
 constexpr int kSumThreads = 256;
+constexpr int64_t kSumChunk = 1 << 16;
+
+__device__ __forceinline__ double tree_sum(double s, double* lanes) {
+  lanes[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = kSumThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) lanes[threadIdx.x] += lanes[threadIdx.x + half];
+    __syncthreads();
+  }
+  return lanes[0];
+}
+
 template <typename T>
-__global__ void sum_squares_kernel(double* out, const T* x, int64_t n) {
-  __shared__ double partial[kSumThreads];
+__global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t n) {
+  __shared__ double lanes[kSumThreads];
+  const int64_t begin = blockIdx.x * kSumChunk, end = begin + kSumChunk < n ? begin + kSumChunk : n;
   double s = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kSumThreads) {
+  for (int64_t i = begin + threadIdx.x; i < end; i += kSumThreads) {
     const double v = load(x, i);
     s += v * v;
   }
-  partial[threadIdx.x] = s;
-  __syncthreads();
-  for (int half = kSumThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *out = partial[0];
+  const double total = tree_sum(s, lanes);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+__global__ void sum_partials_kernel(double* out, const double* partial, int64_t m) {
+  __shared__ double lanes[kSumThreads];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < m; i += kSumThreads) s += partial[i];
+  const double total = tree_sum(s, lanes);
+  if (threadIdx.x == 0) *out = total;
 }
 
 }  // namespace
 
 Status sum_squares(Context& ctx, DType dt, double* out, const void* x, int64_t n) {
   if (n < 0) return Status::error(str_cat("cuda sum_squares: REQUIRES n >= 0, got ", n));
-  return dispatch(dt, [&]<typename T>() {
-    sum_squares_kernel<T><<<1, kSumThreads, 0, ctx.stream()>>>(out, static_cast<const T*>(x), n);
+  const int64_t blocks = std::max<int64_t>(1, (n + kSumChunk - 1) / kSumChunk);
+  void* partial = nullptr;
+  if (Status s = ctx.reduction_scratch(static_cast<size_t>(blocks) * sizeof(double), &partial); !s) return s;
+  return dispatch(dt, [&]<typename T>() -> Status {
+    sum_squares_partial_kernel<T><<<static_cast<unsigned>(blocks), kSumThreads, 0, ctx.stream()>>>(
+        static_cast<double*>(partial), static_cast<const T*>(x), n);
+    if (Status s = launched("sum_squares (partial sums)"); !s) return s;
+    sum_partials_kernel<<<1, kSumThreads, 0, ctx.stream()>>>(out, static_cast<const double*>(partial), blocks);
     return launched("sum_squares");
   });
 }

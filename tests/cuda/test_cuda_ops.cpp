@@ -308,13 +308,16 @@ TEST_P(CudaOps, RouterLossPiecesAndSumOfSquares) {
   for (int64_t i = 0; i < N * D; ++i) dl[i] += (0.02f * gpu_lse[i / D]) * probs[i];
   expect_close("router_z_backward", download(gdl, dl.size()), dl);
   // sum of squares in double
-  const Vec x = in(5000, 5, -3, 3);
-  void* gx = upload(x);
-  ASSERT_TRUE(sum_squares(*ctx_, dt_, gsum, gx, static_cast<int64_t>(x.size())).is_ok());
-  double ss = 0, gpu_ss = 0;
-  for (float e : x) ss += static_cast<double>(e) * e;
-  ASSERT_TRUE(copy_to_host(*ctx_, &gpu_ss, gsum, sizeof(double)).is_ok());
-  EXPECT_NEAR(gpu_ss, ss, 1e-12 * ss) << "sum_squares";
+  // 5000: one chunk; 150000: three chunks of 65536, the last partial; 0: zero.
+  for (int64_t n : {5000, 150000, 0}) {
+    const Vec x = in(n, 5, -3, 3);
+    void* gx = upload(n > 0 ? x : Vec(1));
+    ASSERT_TRUE(sum_squares(*ctx_, dt_, gsum, gx, n).is_ok());
+    double ss = 0, gpu_ss = -1;
+    for (float e : x) ss += static_cast<double>(e) * e;
+    ASSERT_TRUE(copy_to_host(*ctx_, &gpu_ss, gsum, sizeof(double)).is_ok());
+    EXPECT_NEAR(gpu_ss, ss, 1e-12 * ss) << "sum_squares of " << n;
+  }
 }
 
 TEST_P(CudaOps, LayerNormAndRmsNorm) {
