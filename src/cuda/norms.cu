@@ -105,6 +105,7 @@ __global__ void add_column_partials_kernel(T* grad, const float* partial, int64_
 template <typename T, bool kLayerNorm>
 Status norm_params_backward(Context& ctx, T* dweight, T* dbias, const T* dout, const T* inp, const float* mean,
                             const float* rstd, int64_t N, int64_t C, const char* what) {
+  if (C == 0) return Status::ok();
   const int64_t rows = rows_per_chunk(N), chunks = (N + rows - 1) / rows;
   void* scratch = nullptr;
   if (Status s = ctx.reduction_scratch(static_cast<size_t>(2 * chunks * C) * sizeof(float), &scratch); !s) return s;

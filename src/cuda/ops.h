@@ -97,9 +97,10 @@ Status gate_weights_backward(Context& ctx, DType dt, void* dprobs /*[N,E]*/, con
 // probabilities (v = f_e, scale = aux_loss_weight * E / N).
 Status add_row_vector(Context& ctx, DType dt, void* a /*[N,D]*/, const float* v /*[D]*/, float scale, int64_t N,
                       int64_t D);
-// What the aux and z losses need, computed as router_loss_forward does on the CPU (double arithmetic,
-// rows in order): lse[n] = logsumexp(logits[n,:]) and prob_sum[d] = sum_n probs[n,d] (device doubles).
-// One thread per row / column, no atomics. REQUIRES: D >= 1.
+// What the aux and z losses need, in double arithmetic as router_loss_forward does on the CPU:
+// lse[n] = logsumexp(logits[n,:]) (one thread per row) and prob_sum[d] = sum_n probs[n,d] (device
+// doubles; two fixed-order passes over row chunks, not the CPU's row order). No atomics,
+// deterministic. REQUIRES: D >= 1.
 Status router_stats_forward(Context& ctx, DType dt, float* lse /*[N]*/, double* prob_sum /*[D]*/,
                             const void* logits /*[N,D]*/, const void* probs /*[N,D]*/, int64_t N, int64_t D);
 // The z loss's gradient: dlogits[n,d] += (scale * lse[n]) * probs[n,d] (scale = z_loss_weight * 2 / N).
@@ -110,7 +111,8 @@ Status router_z_backward(Context& ctx, DType dt, void* dlogits /*[N,D]*/, const 
 Status layernorm_forward(Context& ctx, DType dt, void* out /*[N,C]*/, float* mean /*[N]*/, float* rstd /*[N]*/,
                          const void* inp /*[N,C]*/, const void* weight /*[C]*/, const void* bias /*[C]*/, int64_t N,
                          int64_t C, float eps);
-// dweight/dbias accumulate over rows in row order (one thread per column): deterministic.
+// dweight/dbias accumulate the column sums over rows, in two fixed-order passes over row chunks
+// (deterministic; not the CPU's row order: within the f32/bf16 tolerance).
 Status layernorm_backward(Context& ctx, DType dt, void* dinp /*[N,C]*/, void* dweight /*[C]*/, void* dbias /*[C]*/,
                           const void* dout, const void* inp, const void* weight, const float* mean, const float* rstd,
                           int64_t N, int64_t C);
@@ -176,7 +178,7 @@ Status adamw_update(Context& ctx, DType dt, float* param /*[n]*/, void* param_ou
                     const void* grad /*[n]*/, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
                     float eps, float weight_decay, int64_t t);
 // *out (one device double) = sum_i x[i]^2 in double arithmetic: a gradient's share of the global norm
-// (AdamW::clip_grad_norm). One thread block in a fixed order: deterministic.
+// (AdamW::clip_grad_norm). Two fixed-order passes over chunks of 64 Ki elements: deterministic.
 Status sum_squares(Context& ctx, DType dt, double* out /*device [1]*/, const void* x /*[n]*/, int64_t n);
 
 }  // namespace moe::cuda
