@@ -195,51 +195,39 @@ Status check_match(const Param& hp, const DeviceParam& dp, size_t i) {
   return Status::ok();
 }
 
+// Checks every pair first (nothing is copied when one differs), then copies each: copy(host param,
+// device param).
+template <typename Copy>
+Status for_matching_params(const std::vector<Param*>& hp, const std::vector<DeviceParam>& dp, Copy copy) {
+  if (hp.size() != dp.size())
+    return Status::error(str_cat("cuda model: the host model has ", hp.size(), " parameters, the GPU model ", dp.size()));
+  for (size_t i = 0; i < hp.size(); ++i)
+    if (Status s = check_match(*hp[i], dp[i], i); !s) return s;
+  for (size_t i = 0; i < hp.size(); ++i)
+    if (Status s = copy(*hp[i], dp[i]); !s) return s;
+  return Status::ok();
+}
+
+size_t bytes_of(const DeviceParam& p) { return static_cast<size_t>(p.numel) * sizeof(float); }
+
 }  // namespace
 
 Status GpuModel::load_weights(const moe::Model& host) {
-  const std::vector<Param*> hp = host.params();
-  if (hp.size() != params_.size())
-    return Status::error(str_cat("cuda model: the host model has ", hp.size(), " parameters, the GPU model ",
-                                 params_.size()));
-  for (size_t i = 0; i < hp.size(); ++i)
-    if (Status s = check_match(*hp[i], params_[i], i); !s) return s;
-  for (size_t i = 0; i < hp.size(); ++i)
-    if (Status s = copy_to_device(ctx_, params_[i].value, hp[i]->value.data(),
-                                  static_cast<size_t>(params_[i].numel) * sizeof(float));
-        !s)
-      return s;
-  return Status::ok();
+  return for_matching_params(host.params(), params_, [&](Param& h, const DeviceParam& d) {
+    return copy_to_device(ctx_, d.value, h.value.data(), bytes_of(d));
+  });
 }
 
 Status GpuModel::store_weights(moe::Model* host) const {
-  const std::vector<Param*> hp = host->params();
-  if (hp.size() != params_.size())
-    return Status::error(str_cat("cuda model: the host model has ", hp.size(), " parameters, the GPU model ",
-                                 params_.size()));
-  for (size_t i = 0; i < hp.size(); ++i)
-    if (Status s = check_match(*hp[i], params_[i], i); !s) return s;
-  for (size_t i = 0; i < hp.size(); ++i)
-    if (Status s = copy_to_host(ctx_, hp[i]->value.data(), params_[i].value,
-                                static_cast<size_t>(params_[i].numel) * sizeof(float));
-        !s)
-      return s;
-  return Status::ok();
+  return for_matching_params(host->params(), params_, [&](Param& h, const DeviceParam& d) {
+    return copy_to_host(ctx_, h.value.data(), d.value, bytes_of(d));
+  });
 }
 
 Status GpuModel::store_gradients(moe::Model* host) const {
-  const std::vector<Param*> hp = host->params();
-  if (hp.size() != params_.size())
-    return Status::error(str_cat("cuda model: the host model has ", hp.size(), " parameters, the GPU model ",
-                                 params_.size()));
-  for (size_t i = 0; i < hp.size(); ++i)
-    if (Status s = check_match(*hp[i], params_[i], i); !s) return s;
-  for (size_t i = 0; i < hp.size(); ++i)
-    if (Status s = copy_to_host(ctx_, hp[i]->grad.data(), params_[i].grad,
-                                static_cast<size_t>(params_[i].numel) * sizeof(float));
-        !s)
-      return s;
-  return Status::ok();
+  return for_matching_params(host->params(), params_, [&](Param& h, const DeviceParam& d) {
+    return copy_to_host(ctx_, h.grad.data(), d.grad, bytes_of(d));
+  });
 }
 
 Status GpuModel::zero_grad() {
