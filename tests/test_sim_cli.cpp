@@ -106,6 +106,22 @@ TEST_F(SimCli, CalibratesOnARealRunAndTheClusterFileLoads) {
           model_file.string() + " --load " + (dir_ / "metrics.jsonl").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("cluster   calibrated: 1 node(s) x 8 calibrated (pcie)"), std::string::npos) << r.output;
+  // The file records the CPU machine the ranks shared (--cpu-cores), so the executor shares its cores.
+  {
+    std::ifstream in(cluster);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_GE(j.value("cpu_cores", 0), 1) << j.dump();
+  }
+  // Two runs of the one configuration (the same run twice here) fit together; a bad --cpu-cores is refused.
+  r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " " + dir_.string() + " --cpu-cores 2 --model " +
+          model_file.string() + " --out " + (dir_ / "two.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("calibration of 2 runs of 2 ranks, batch 8 sequences"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("on 2 shared cores"), std::string::npos) << r.output;
+  r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --cpu-cores -5 --model " + model_file.string() +
+          " --out " + (dir_ / "bad.json").string());
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "bad.json"));
   // A calibration against the wrong model is an error naming the op it cannot place.
   std::ofstream(dir_ / "other.json") << R"({"seq_len": 32, "d_model": 32, "n_layers": 3, "n_heads": 2, "d_ffn": 64, "n_experts": 4, "top_k": 2})";
   r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --model " + (dir_ / "other.json").string() +
