@@ -10,7 +10,6 @@
 #include <limits>
 #include <memory>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -57,27 +56,14 @@ Status train(const TrainConfig& cfg) {
   const int64_t B = cfg.batch_size, T = cfg.model.seq_len;
 
   // ---- data (as the CPU loop) ----
-  DataOptions dopt;
-  dopt.seq_len = T;
-  dopt.val_fraction = cfg.val_fraction;
-  dopt.seed = cfg.seed;
-  std::string data_path = cfg.data;
-  if (data_path.empty()) {
-    data_path = kDefaultCorpus;
-    dopt.suffix = kDefaultCorpusSuffix;
-  }
   TextDataset ds;
-  if (Status s = TextDataset::open(data_path, dopt, &ds); !s) return s;
+  std::string data_path;
+  if (Status s = open_training_data(cfg, &ds, &data_path); !s) return s;
 
   // ---- the host copy of model and optimizer: initialization, checkpoints in and out ----
   moe::Model host(cfg.model, B);
   host.init(cfg.seed);
-  AdamWConfig ocfg;
-  ocfg.lr = static_cast<float>(cfg.lr);
-  ocfg.beta1 = static_cast<float>(cfg.beta1);
-  ocfg.beta2 = static_cast<float>(cfg.beta2);
-  ocfg.weight_decay = static_cast<float>(cfg.weight_decay);
-  ocfg.grad_clip = static_cast<float>(cfg.grad_clip);
+  const AdamWConfig ocfg = adamw_config(cfg);
   AdamW host_opt(host.params(), ocfg);
   int64_t start = 0;
   if (!cfg.resume.empty()) {
@@ -181,16 +167,10 @@ Status train(const TrainConfig& cfg) {
                    {"device", "cuda"}});
 
     if (done % cfg.log_every == 0 || done == end) {
-      std::ostringstream load;
-      for (size_t i = 0; i < loads.size(); ++i) {
-        char buf[16];
-        std::snprintf(buf, sizeof buf, "%s%.2f", i ? " " : "", imbalance(loads[i].tokens_per_expert));
-        load << buf;
-      }
       say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
           (long long)done, (long long)cfg.steps, window_loss / window_steps,
           model->aux_loss() / static_cast<double>(std::max<size_t>(1, loads.size())), lr, grad_norm,
-          static_cast<double>(window_steps * B * T) / window_seconds, load.str().c_str());
+          static_cast<double>(window_steps * B * T) / window_seconds, load_imbalance_line(loads).c_str());
       window_loss = window_seconds = 0;
       window_steps = 0;
     }

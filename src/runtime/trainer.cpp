@@ -15,7 +15,6 @@
 #include <limits>
 #include <memory>
 #include <numeric>
-#include <sstream>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -165,17 +164,9 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   const int64_t Bl = B / ranks.size;  // this rank's rows of each global batch
 
   // ---- data ----
-  DataOptions dopt;
-  dopt.seq_len = T;
-  dopt.val_fraction = cfg.val_fraction;
-  dopt.seed = cfg.seed;
-  std::string data_path = cfg.data;
-  if (data_path.empty()) {
-    data_path = kDefaultCorpus;
-    dopt.suffix = kDefaultCorpusSuffix;
-  }
   TextDataset ds;
-  if (Status s = TextDataset::open(data_path, dopt, &ds); !s) return s;
+  std::string data_path;
+  if (Status s = open_training_data(cfg, &ds, &data_path); !s) return s;
   if (Status s = check_same_everywhere(ranks, cfg, ds); !s) return s;
 
   // ---- model and optimizer: replicated parameters are the same on every rank; expert weights are
@@ -220,12 +211,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     return bodies.run(op);
   };
   runtime::Executor executor;
-  AdamWConfig ocfg;
-  ocfg.lr = static_cast<float>(cfg.lr);
-  ocfg.beta1 = static_cast<float>(cfg.beta1);
-  ocfg.beta2 = static_cast<float>(cfg.beta2);
-  ocfg.weight_decay = static_cast<float>(cfg.weight_decay);
-  ocfg.grad_clip = static_cast<float>(cfg.grad_clip);
+  const AdamWConfig ocfg = adamw_config(cfg);
   AdamW opt(model.params(), ocfg);
 
   // ---- resume: everything is checked before anything is written ----
@@ -533,12 +519,6 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                      {"replicas_peak", memory[1]}}}});
 
     if (done % cfg.log_every == 0 || done == end) {
-      std::ostringstream load;
-      for (size_t i = 0; i < loads.size(); ++i) {
-        char buf[16];
-        std::snprintf(buf, sizeof buf, "%s%.2f", i ? " " : "", imbalance(loads[i].tokens_per_expert));
-        load << buf;
-      }
       // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
       std::string rank_load;
       if (ranks.world) {
@@ -554,7 +534,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
           (long long)done, (long long)cfg.steps, window_loss / window_steps,
           model.aux_loss() / std::max<size_t>(1, loads.size()), lr, grad_norm, window_steps * B * T / window_seconds,
-          load.str().c_str(), rank_load.c_str());
+          load_imbalance_line(loads).c_str(), rank_load.c_str());
       window_loss = window_seconds = window_exposed_ms = 0;
       window_steps = 0;
     }
@@ -586,6 +566,39 @@ double imbalance(const std::vector<int64_t>& tokens_per_expert) {
   if (total == 0) return 1.0;
   int64_t mx = *std::max_element(tokens_per_expert.begin(), tokens_per_expert.end());
   return static_cast<double>(mx) * tokens_per_expert.size() / total;
+}
+
+Status open_training_data(const TrainConfig& cfg, TextDataset* ds, std::string* path) {
+  DataOptions dopt;
+  dopt.seq_len = cfg.model.seq_len;
+  dopt.val_fraction = cfg.val_fraction;
+  dopt.seed = cfg.seed;
+  *path = cfg.data;
+  if (path->empty()) {
+    *path = kDefaultCorpus;
+    dopt.suffix = kDefaultCorpusSuffix;
+  }
+  return TextDataset::open(*path, dopt, ds);
+}
+
+AdamWConfig adamw_config(const TrainConfig& cfg) {
+  AdamWConfig o;
+  o.lr = static_cast<float>(cfg.lr);
+  o.beta1 = static_cast<float>(cfg.beta1);
+  o.beta2 = static_cast<float>(cfg.beta2);
+  o.weight_decay = static_cast<float>(cfg.weight_decay);
+  o.grad_clip = static_cast<float>(cfg.grad_clip);
+  return o;
+}
+
+std::string load_imbalance_line(const std::vector<LayerLoad>& loads) {
+  std::string out;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "%s%.2f", i ? " " : "", imbalance(loads[i].tokens_per_expert));
+    out += buf;
+  }
+  return out;
 }
 
 Status MetricsWriter::open(const std::string& path, bool append) {

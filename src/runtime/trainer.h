@@ -9,6 +9,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/data.h"
+#include "model/model.h"
+#include "model/optimizer.h"
 #include "runtime/train_config.h"
 #include "util/status.h"
 
@@ -45,6 +48,14 @@ class MetricsWriter {
  private:
   std::ofstream out_;
 };
+
+// The run's corpus (cfg.data; the default corpus when empty) in windows of the model's seq_len, and its
+// path in *path (for the start-up line).
+Status open_training_data(const TrainConfig& cfg, TextDataset* ds, std::string* path);
+// AdamW's settings from the run's config.
+AdamWConfig adamw_config(const TrainConfig& cfg);
+// The progress line's "load max/mean" field: imbalance() per MoE layer, "1.23 1.05 ...".
+std::string load_imbalance_line(const std::vector<LayerLoad>& loads);
 
 // The last line(s) of a training run that stopped after step `end`: how to resume when it stopped
 // early, else the final validation loss against the corpus's unigram entropy.
