@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/ops.h"
@@ -67,6 +68,21 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
   v = lane < warps ? shared[lane] : -INFINITY;
   return warp_max(v);
 }
+
+// The layout of the two-pass column reductions over N rows (router_loss.cu, norms.cu): a block of
+// kColumnTile columns x kRowLanes lanes per chunk of rows; lane y sums the chunk's rows y, y + kRowLanes,
+// ... then the lanes are added in order, and a second pass adds the chunks in order. Chunks of at
+// least 512 rows, at most 65535 of them (the grid's y limit). Deterministic: the order is fixed.
+constexpr int kColumnTile = 32, kRowLanes = 8;
+struct ColumnChunks {
+  int64_t rows, count;  // rows per chunk, chunks
+  explicit ColumnChunks(int64_t N)
+      : rows(std::max<int64_t>(512, (N + 65534) / 65535)), count((N + rows - 1) / rows) {}
+  dim3 grid(int64_t columns) const {
+    return dim3(static_cast<unsigned>((columns + kColumnTile - 1) / kColumnTile), static_cast<unsigned>(count));
+  }
+  static dim3 block() { return dim3(kColumnTile, kRowLanes); }
+};
 
 // Grid-stride loop over [0, n).
 #define MOE_GRID_LOOP(i, n) \

@@ -1,8 +1,6 @@
 // LayerNorm and RMSNorm (ops.h). Row kernels: one block per row, block reductions in a fixed order.
 // Parameter gradients: column sums in two fixed-order passes (norm_params_backward), deterministic
 // without atomics; reads are coalesced across the 32 columns of a block row.
-#include <algorithm>
-
 #include "cuda/kernel_util.cuh"
 
 namespace moe::cuda {
@@ -54,27 +52,23 @@ __global__ void layernorm_backward_input_kernel(T* dinp, const T* dout, const T*
   }
 }
 
-// Parameter gradients in two passes, so that N rows spread over the GPU (one thread per column
-// walking every row used a few SMs for ~N serial steps): pass 1, block (x: kColumns columns, y: kLanes
-// lanes) of chunk k sums lane y's rows k*rows + y, + kLanes, ... then the lanes in order, into
-// partial[k, c] (and partial2 for LayerNorm's bias); pass 2 adds the chunks in order into the
-// gradient. Deterministic (fixed order, no atomics); the order differs from the CPU kernel's row by
-// row sum, within the f32 tolerance (ops.h).
-constexpr int kColumns = 32, kLanes = 8;
-
-int64_t rows_per_chunk(int64_t N) { return std::max<int64_t>(512, (N + 65534) / 65535); }  // grid.y <= 65535
+// Parameter gradients in two passes (ColumnChunks, kernel_util.cuh), so that N rows spread over the
+// GPU (one thread per column walking every row used a few SMs for ~N serial steps): pass 1 into
+// partial[chunk, c] (and partial2 for LayerNorm's bias), pass 2 adds the chunks in order into the
+// gradient. Deterministic; the order differs from the CPU kernel's row by row sum, within the
+// f32/bf16 tolerance (ops.h).
 
 // RMS: only dw (partial2 null). LayerNorm: dw over (x - mean) rstd dy, db over dy.
 template <typename T, bool kLayerNorm>
 __global__ void norm_params_partial_kernel(float* partial, float* partial2, const T* dout, const T* inp,
                                            const float* mean, const float* rstd, int64_t N, int64_t C,
                                            int64_t rows) {
-  __shared__ float lane_dw[kLanes][kColumns], lane_db[kLanes][kColumns];
-  const int64_t c = blockIdx.x * (int64_t)kColumns + threadIdx.x;
+  __shared__ float lane_dw[kRowLanes][kColumnTile], lane_db[kRowLanes][kColumnTile];
+  const int64_t c = blockIdx.x * (int64_t)kColumnTile + threadIdx.x;
   const int64_t n0 = blockIdx.y * rows, n1 = n0 + rows < N ? n0 + rows : N;
   float dw = 0, db = 0;
   if (c < C) {
-    for (int64_t n = n0 + threadIdx.y; n < n1; n += kLanes) {
+    for (int64_t n = n0 + threadIdx.y; n < n1; n += kRowLanes) {
       const float dy = load(dout, n * C + c);
       const float x = kLayerNorm ? load(inp, n * C + c) - mean[n] : load(inp, n * C + c);
       dw += x * rstd[n] * dy;
@@ -86,7 +80,7 @@ __global__ void norm_params_partial_kernel(float* partial, float* partial2, cons
   __syncthreads();
   if (threadIdx.y != 0 || c >= C) return;
   float sw = 0, sb = 0;
-  for (int y = 0; y < kLanes; ++y) sw += lane_dw[y][threadIdx.x], sb += lane_db[y][threadIdx.x];
+  for (int y = 0; y < kRowLanes; ++y) sw += lane_dw[y][threadIdx.x], sb += lane_db[y][threadIdx.x];
   partial[blockIdx.y * C + c] = sw;
   if (partial2) partial2[blockIdx.y * C + c] = sb;
 }
@@ -106,23 +100,23 @@ template <typename T, bool kLayerNorm>
 Status norm_params_backward(Context& ctx, T* dweight, T* dbias, const T* dout, const T* inp, const float* mean,
                             const float* rstd, int64_t N, int64_t C, const char* what) {
   if (C == 0) return Status::ok();
-  const int64_t rows = rows_per_chunk(N), chunks = (N + rows - 1) / rows;
+  const ColumnChunks chunks(N);
   void* scratch = nullptr;
-  if (Status s = ctx.reduction_scratch(static_cast<size_t>(2 * chunks * C) * sizeof(float), &scratch); !s) return s;
+  if (Status s = ctx.reduction_scratch(static_cast<size_t>(2 * chunks.count * C) * sizeof(float), &scratch); !s)
+    return s;
   float* partial = static_cast<float*>(scratch);
-  float* partial2 = kLayerNorm ? partial + chunks * C : nullptr;
-  const dim3 grid(static_cast<unsigned>((C + kColumns - 1) / kColumns), static_cast<unsigned>(chunks));
-  norm_params_partial_kernel<T, kLayerNorm><<<grid, dim3(kColumns, kLanes), 0, ctx.stream()>>>(
-      partial, partial2, dout, inp, mean, rstd, N, C, rows);
+  float* partial2 = kLayerNorm ? partial + chunks.count * C : nullptr;
+  norm_params_partial_kernel<T, kLayerNorm><<<chunks.grid(C), ColumnChunks::block(), 0, ctx.stream()>>>(
+      partial, partial2, dout, inp, mean, rstd, N, C, chunks.rows);
   if (Status s = launched(what); !s) return s;
   if (dweight) {
     add_column_partials_kernel<T><<<blocks_for(C, kColumnThreads), kColumnThreads, 0, ctx.stream()>>>(dweight, partial,
-                                                                                                     chunks, C);
+                                                                                                     chunks.count, C);
     if (Status s = launched(what); !s) return s;
   }
   if (dbias) {
     add_column_partials_kernel<T><<<blocks_for(C, kColumnThreads), kColumnThreads, 0, ctx.stream()>>>(dbias, partial2,
-                                                                                                     chunks, C);
+                                                                                                     chunks.count, C);
     if (Status s = launched(what); !s) return s;
   }
   return Status::ok();

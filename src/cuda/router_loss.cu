@@ -2,8 +2,6 @@
 // losses' statistics and gradients, with the CPU's arithmetic (moe/router.cpp). Statistics run in a
 // fixed order (one thread per row; column sums in two fixed-order passes), in double like the CPU:
 // deterministic, no atomics.
-#include <algorithm>
-
 #include "cuda/kernel_util.cuh"
 
 namespace moe::cuda {
@@ -34,26 +32,23 @@ __global__ void row_logsumexp_kernel(float* lse, const T* logits, int64_t N, int
   lse[n] = static_cast<float>(m + log(s));
 }
 
-// prob_sum[d] = sum_n probs[n,d] in double, in two passes so that N rows spread over the GPU (one
-// thread per column walking every row took ~0.1 us per row: longer than the layer's GEMMs) while the
-// order stays fixed: pass 1, block (x: kColumns columns, y: kLanes lanes) of chunk c sums lane y's
-// rows n = c*rows + y, y + kLanes, ... of the chunk, then the lanes in order, into partial[c, d];
-// pass 2 sums the chunks in order.
-constexpr int kColumns = 32, kLanes = 8;
+// prob_sum[d] = sum_n probs[n,d] in double, in two passes (ColumnChunks, kernel_util.cuh) so that N
+// rows spread over the GPU (one thread per column walking every row took ~0.1 us per row: longer than
+// the layer's GEMMs) while the order stays fixed: pass 1 into partial[chunk, d], pass 2 over chunks.
 
 template <typename T>
 __global__ void column_partial_kernel(double* partial, const T* probs, int64_t N, int64_t D, int64_t rows) {
-  __shared__ double lane_sum[kLanes][kColumns];
-  const int64_t d = blockIdx.x * (int64_t)kColumns + threadIdx.x;
+  __shared__ double lane_sum[kRowLanes][kColumnTile];
+  const int64_t d = blockIdx.x * (int64_t)kColumnTile + threadIdx.x;
   const int64_t n0 = blockIdx.y * rows, n1 = n0 + rows < N ? n0 + rows : N;
   double s = 0;
   if (d < D)
-    for (int64_t n = n0 + threadIdx.y; n < n1; n += kLanes) s += load(probs, n * D + d);
+    for (int64_t n = n0 + threadIdx.y; n < n1; n += kRowLanes) s += load(probs, n * D + d);
   lane_sum[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y != 0 || d >= D) return;
   double t = 0;
-  for (int y = 0; y < kLanes; ++y) t += lane_sum[y][threadIdx.x];
+  for (int y = 0; y < kRowLanes; ++y) t += lane_sum[y][threadIdx.x];
   partial[blockIdx.y * D + d] = t;
 }
 
@@ -94,16 +89,15 @@ Status router_stats_forward(Context& ctx, DType dt, float* lse, double* prob_sum
     row_logsumexp_kernel<T><<<blocks_for(N, kThreads), kThreads, 0, ctx.stream()>>>(lse, static_cast<const T*>(logits),
                                                                                      N, D);
     if (Status s = launched("router_stats_forward (logsumexp)"); !s) return s;
-    // 512 rows per chunk (at most 65535 chunks: the grid's y limit).
-    const int64_t rows = std::max<int64_t>(512, (N + 65534) / 65535), chunks = (N + rows - 1) / rows;
+    const ColumnChunks chunks(N);
     void* partial = nullptr;
-    if (Status s = ctx.reduction_scratch(static_cast<size_t>(chunks * D) * sizeof(double), &partial); !s) return s;
-    const dim3 grid(static_cast<unsigned>((D + kColumns - 1) / kColumns), static_cast<unsigned>(chunks));
-    column_partial_kernel<T><<<grid, dim3(kColumns, kLanes), 0, ctx.stream()>>>(
-        static_cast<double*>(partial), static_cast<const T*>(probs), N, D, rows);
+    if (Status s = ctx.reduction_scratch(static_cast<size_t>(chunks.count * D) * sizeof(double), &partial); !s)
+      return s;
+    column_partial_kernel<T><<<chunks.grid(D), ColumnChunks::block(), 0, ctx.stream()>>>(
+        static_cast<double*>(partial), static_cast<const T*>(probs), N, D, chunks.rows);
     if (Status s = launched("router_stats_forward (column partial sums)"); !s) return s;
     column_finish_kernel<<<blocks_for(D, kThreads), kThreads, 0, ctx.stream()>>>(
-        prob_sum, static_cast<const double*>(partial), chunks, D);
+        prob_sum, static_cast<const double*>(partial), chunks.count, D);
     return launched("router_stats_forward (column sums)");
   });
 }
