@@ -278,12 +278,16 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   // time alone stretched by the sharing: the fit takes the time alone (CoreShare), as the executor
   // will stretch it again.
   std::map<std::pair<std::string, int>, std::vector<std::pair<double, double>>> flop_ops, byte_ops;
-  for (const Run& run : runs) {
-    std::vector<std::pair<double, double>> all_compute;
+  // Compute spans by (run, rank), sorted: the sharing below, and which collectives overlapped compute.
+  std::map<std::pair<size_t, int>, std::vector<std::pair<double, double>>> compute_spans;
+  for (size_t ri = 0; ri < runs.size(); ++ri) {
+    const Run& run = runs[ri];
+    std::vector<std::pair<double, double>> all_compute;  // every rank's
     for (const json& e : run.trace.at("traceEvents")) {
       if (e.value("ph", "") != "X" || e.value("cat", "") != "compute") continue;
-      const double ts = e.at("ts").get<double>() * 1e-6;
-      all_compute.push_back({ts, ts + e.at("dur").get<double>() * 1e-6});
+      const double ts = e.at("ts").get<double>() * 1e-6, te = ts + e.at("dur").get<double>() * 1e-6;
+      all_compute.push_back({ts, te});
+      compute_spans[{ri, e.at("pid").get<int>()}].push_back({ts, te});
     }
     const CoreShare core_share(all_compute, machine.cpu_cores, machine.threads_per_rank);
     for (const json& e : run.trace.at("traceEvents")) {
@@ -373,19 +377,14 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
     std::string kind;
     std::vector<std::pair<int, std::pair<double, double>>> members;  // rank, [start, end]
   };
-  // Instances by (run, step, op name); compute spans by (run, rank).
+  // Instances by (run, step, op name).
   std::map<std::tuple<size_t, int64_t, std::string>, Inst> insts;
-  std::map<std::pair<size_t, int>, std::vector<std::pair<double, double>>> compute_spans;
   for (size_t ri = 0; ri < runs.size(); ++ri) {
     for (const json& e : runs[ri].trace.at("traceEvents")) {
-      if (e.value("ph", "") != "X") continue;
+      if (e.value("ph", "") != "X" || e.value("cat", "") == "compute") continue;
       const json& a = e.at("args");
       const double ts = e.at("ts").get<double>() * 1e-6, te = ts + e.at("dur").get<double>() * 1e-6;
       const int rank = e.at("pid").get<int>();
-      if (e.value("cat", "") == "compute") {
-        compute_spans[{ri, rank}].push_back({ts, te});
-        continue;
-      }
       const std::string kind = a.at("kind").get<std::string>();
       const bool a2a =
           kind == "dispatch_a2a" || kind == "combine_a2a" || kind == "dispatch_a2a_bwd" || kind == "combine_a2a_bwd";
