@@ -145,9 +145,9 @@ int sim_fidelity(const BenchOptions& opt) {
   ModelConfig base;  // the default model: T 128, C 128, L 4, F 256, E 8, top-2
   const int64_t base_batch = 16;
   const int cal_ranks = 2;
-  std::printf("moe bench sim-fidelity: calibrate on moe train --ranks %d (default model, batch %lld, %d thread per "
-              "rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
-              cal_ranks, (long long)base_batch, threads, cores);
+  std::printf("moe bench sim-fidelity: calibrate on %d runs of moe train --ranks %d (default model, batch %lld, %d "
+              "thread per rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
+              kCalRuns, cal_ranks, (long long)base_batch, threads, cores);
   // The calibration: kCalRuns runs of the calibration configuration, fitted together (`cal`) and the
   // first alone (`cal1`, the "one run"), both shown.
   std::vector<std::string> cal_runs;
