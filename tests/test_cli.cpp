@@ -79,6 +79,19 @@ TEST_F(CliTest, ContradictoryConfig) {
   expect_rejected(tiny() + "--d-model 30 --heads 4", "n_heads");
 }
 
+// bf16 is the GPU model's mixed precision; the CPU model is f32 only. Asked for on the CPU (by the
+// flag, with the default device or an explicit one, or by the JSON config) it is one line naming
+// the dtype and the device, and exit 2 like every config error; nothing trains.
+TEST_F(CliTest, Bf16OnTheCpuRejected) {
+  Result r = run_moe("train " + tiny() + "--steps 2 --dtype bf16 --device cpu");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output, "moe train: config: dtype bf16 needs device cuda (device cpu computes and stores in f32 only)\n");
+  expect_rejected(tiny() + "--dtype bf16", "dtype bf16 needs device cuda");
+  write_file(dir_ / "c.json", R"({"dtype": "bf16"})");
+  expect_rejected(tiny() + "--config " + (dir_ / "c.json").string(), "dtype bf16 needs device cuda");
+  expect_rejected(tiny() + "--dtype fp16 --device cuda", "dtype 'fp16' is not one of f32, bf16");
+}
+
 TEST_F(CliTest, MissingConfigFile) { expect_rejected(tiny() + "--config /nonexistent/c.json", "cannot open"); }
 
 TEST_F(CliTest, MissingData) { expect_rejected(tiny() + "--data /nonexistent/corpus", "/nonexistent/corpus"); }

@@ -188,7 +188,14 @@ int cuda_kernels(const BenchOptions& opt) {
     std::unique_ptr<cuda::MoeLayer> layer;
     if (Status s = cuda::MoeLayer::create(*ctx, DType::bf16, {sh.C, sh.F, sh.E, sh.K, true}, sh.tokens, &layer); !s)
       return fail(s);
-    if (Status s = fill_random_bf16(*ctx, layer->wg(), sh.E * sh.C * 2, 5); !s) return fail(s);
+    {
+      // The router's weight is f32 whatever the layer's dtype (moe_layer.h).
+      std::vector<float> wg(static_cast<size_t>(sh.E * sh.C));
+      std::mt19937 rng(5);
+      std::uniform_real_distribution<float> u(-0.05f, 0.05f);
+      for (float& x : wg) x = u(rng);
+      if (Status s = cuda::copy_to_device(*ctx, layer->wg(), wg.data(), wg.size() * sizeof(float)); !s) return fail(s);
+    }
     if (Status s = fill_random_bf16(*ctx, layer->w1(), sh.E * sh.F * sh.C * 2, 6); !s) return fail(s);
     if (Status s = fill_random_bf16(*ctx, layer->w2(), sh.E * sh.C * sh.F * 2, 7); !s) return fail(s);
     DeviceBuffer lx, ly, ldx;

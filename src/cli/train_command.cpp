@@ -131,6 +131,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
             "least every N steps");
   bind_flag(c, f, "--device", &TrainConfig::device,
             "cpu, or cuda: one GPU, one rank, strategy ep (checkpoints are the same files either way)");
+  bind_flag(c, f, "--dtype", &TrainConfig::dtype,
+            "f32, or bf16 with --device cuda: mixed precision (bf16 copies of the weights and bf16 activations; "
+            "f32 master weights, gradients and AdamW, so the same checkpoints)");
   bind_flag(c, f, "--trace", &TrainConfig::trace, "write a Chrome trace (Perfetto) of all ranks to FILE");
   bind_flag(c, f, "--trace-steps", &TrainConfig::trace_steps, "steps the trace covers, from the first");
   bind_model_flag(c, f, "--seq-len", &ModelConfig::seq_len, "context length T");

@@ -49,11 +49,14 @@ Status GpuAdamW::step(float lr) {
   const std::vector<DeviceParam>& ps = model_.params();
   for (size_t i = 0; i < ps.size(); ++i) {
     const DeviceParam& p = ps[i];
-    // f32 storage: the master weights are the weights the forward reads (no separate copy).
+    // On the f32 masters and gradients whatever the model's dtype. Under bf16 the copy the forward
+    // reads is then rounded from the new master: adamw_update's fused param_out cannot write it, as
+    // that kernel reads the gradient in param_out's dtype and the gradients are f32.
     if (Status s = adamw_update(ctx_, DType::f32, p.value, nullptr, p.grad, m_[i].as<float>(), v_[i].as<float>(),
                                 p.numel, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, p.decay ? cfg_.weight_decay : 0.0f, t_);
         !s)
       return s;
+    if (Status s = refresh_weight_copy(ctx_, p); !s) return s;
   }
   return Status::ok();
 }

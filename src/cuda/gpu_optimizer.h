@@ -1,8 +1,10 @@
 // AdamW on the GPU for cuda::GpuModel: model/optimizer.h's AdamW (PyTorch semantics, decoupled weight
 // decay on the parameters with decay, global-norm clipping with the squares summed in double,
-// parameter by parameter in order), with f32 moments on the device. Its state moves to and from a CPU
-// moe::AdamW (load_state / store_state), so a checkpoint's optimizer.safetensors is the same file
-// whichever device wrote it, and a run resumes on either.
+// parameter by parameter in order), with f32 moments on the device. It reads and updates the model's
+// f32 gradients and master weights whatever the model's dtype; under bf16, step() also refreshes the
+// weights' bf16 copies (gpu_model.h). Its state moves to and from a CPU moe::AdamW (load_state /
+// store_state), so a checkpoint's optimizer.safetensors is the same file whichever device wrote it,
+// and a run resumes on either.
 // Thread safety: none (the model's Context).
 #pragma once
 

@@ -13,6 +13,8 @@ namespace moe::cuda {
 
 namespace {
 
+constexpr DType kF32 = DType::f32;  // the router's type (moe_layer.h)
+
 Status alloc(DeviceBuffer& b, int64_t elements, size_t element_bytes) {
   return b.allocate(static_cast<size_t>(std::max<int64_t>(1, elements)) * element_bytes);
 }
@@ -51,15 +53,18 @@ Status MoeLayer::create(Context& ctx, DType dt, const MoeShape& s, int64_t max_t
 Status MoeLayer::allocate() {
   const size_t d = dtype_size(dt_), f = sizeof(float), i = sizeof(int32_t), f64 = sizeof(double);
   const int64_t C = s_.C, F = s_.F, E = s_.E, K = s_.K, N = max_n_, R = max_n_ * s_.K;
-  for (auto [b, n, sz] : {std::tuple{&wg_, E * C, d}, {&w1_, E * F * C, d}, {&w2_, E * C * F, d}, {&dwg_, E * C, d},
-                          {&dw1_, E * F * C, d}, {&dw2_, E * C * F, d}, {&logits_, N * E, d}, {&probs_, N * E, d},
+  for (auto [b, n, sz] : {std::tuple{&wg_, E * C, f}, {&w1_, E * F * C, d}, {&w2_, E * C * F, d}, {&dwg_, E * C, f},
+                          {&dw1_, E * F * C, d}, {&dw2_, E * C * F, d}, {&logits_, N * E, f}, {&probs_, N * E, f},
                           {&top_values_, N * K, f}, {&top_index_, N * K, i}, {&gate_, N * K, f},
                           {&token_rows_, N * K, i}, {&row_token_, R, i}, {&ones_, N * K, f}, {&bias_, E, f},
                           {&lse_, N, f}, {&prob_sum_, E, f64}, {&load_frac_, E, f}, {&xp_, R * C, d},
                           {&h_, R * F, d}, {&act_, R * F, d}, {&out_rows_, R * C, d}, {&d_out_rows_, R * C, d},
                           {&dact_, R * F, d}, {&dh_, R * F, d}, {&dxp_, R * C, d}, {&dgate_, N * K, f},
-                          {&dprobs_, N * E, d}, {&dlogits_, N * E, d}})
+                          {&dprobs_, N * E, f}, {&dlogits_, N * E, f}})
     if (Status st = alloc(*b, n, sz); !st) return st;
+  if (dt_ != kF32)
+    for (DeviceBuffer* b : {&x32_, &dx32_})
+      if (Status st = alloc(*b, N * C, f); !st) return st;
   if (s_.swiglu)
     for (auto [b, n] : {std::pair{&w3_, E * F * C}, {&dw3_, E * F * C}, {&h3_, R * F}, {&dh3_, R * F}})
       if (Status st = alloc(*b, n, d); !st) return st;
@@ -79,17 +84,23 @@ Status MoeLayer::forward(void* y, const void* x, int64_t N) {
   if (N < 0 || N > max_n_) return Status::error(str_cat("cuda MoeLayer::forward: N ", N, " > max_tokens ", max_n_));
   const int64_t C = s_.C, F = s_.F, E = s_.E, K = s_.K;
   n_ = N;
-  x_ = x;
-  // router: logits [N,E] (+ bias), probs [N,E], top-k [N,K], gate weights [N,K]; the losses' statistics
-  if (Status st = linear_forward(ctx_, dt_, logits_.get(), x, wg_.get(), N, C, E); !st) return st;
+  // router, in f32 (x [N,C] widened first under bf16): logits [N,E] (+ bias), probs [N,E], top-k
+  // [N,K], gate weights [N,K]; the losses' statistics
+  x_ = static_cast<const float*>(x);
+  if (dt_ != kF32) {
+    if (Status st = cast_to_f32(ctx_, dt_, x32_.as<float>(), x, N * C); !st) return st;
+    x_ = x32_.as<float>();
+  }
+  if (Status st = linear_forward(ctx_, kF32, logits_.get(), x_, wg_.get(), N, C, E); !st) return st;
   if (!s_.router_bias.empty())
-    if (Status st = add_row_vector(ctx_, dt_, logits_.get(), bias_.as<float>(), 1.0f, N, E); !st) return st;
-  if (Status st = softmax_forward(ctx_, dt_, probs_.get(), logits_.get(), N, E); !st) return st;
-  if (Status st = topk_forward(ctx_, dt_, top_values_.as<float>(), top_index_.as<int32_t>(), probs_.get(), N, E, K); !st)
+    if (Status st = add_row_vector(ctx_, kF32, logits_.get(), bias_.as<float>(), 1.0f, N, E); !st) return st;
+  if (Status st = softmax_forward(ctx_, kF32, probs_.get(), logits_.get(), N, E); !st) return st;
+  if (Status st = topk_forward(ctx_, kF32, top_values_.as<float>(), top_index_.as<int32_t>(), probs_.get(), N, E, K);
+      !st)
     return st;
   if (Status st = gate_weights_forward(ctx_, gate_.as<float>(), top_values_.as<float>(), N, K, s_.renormalize); !st)
     return st;
-  if (Status st = router_stats_forward(ctx_, dt_, lse_.as<float>(), prob_sum_.as<double>(), logits_.get(),
+  if (Status st = router_stats_forward(ctx_, kF32, lse_.as<float>(), prob_sum_.as<double>(), logits_.get(),
                                        probs_.get(), N, E);
       !st)
     return st;
@@ -203,9 +214,9 @@ Status MoeLayer::backward(void* dx, const void* dy) {
   if (Status st = combine_rows(ctx_, dt_, dx, dxp_.get(), token_rows_.as<int32_t>(), ones_.as<float>(), N, K, C, true);
       !st)
     return st;
-  // router (moe/router.cpp's router_backward): dprobs [N,E] = gate-weight term + aux term;
+  // router, in f32 (moe/router.cpp's router_backward): dprobs [N,E] = gate-weight term + aux term;
   // dlogits [N,E] = softmax_backward(dprobs) + z term; then x and wg.
-  if (Status st = gate_weights_backward(ctx_, dt_, dprobs_.get(), dgate_.as<float>(), top_values_.as<float>(),
+  if (Status st = gate_weights_backward(ctx_, kF32, dprobs_.get(), dgate_.as<float>(), top_values_.as<float>(),
                                         top_index_.as<int32_t>(), N, E, K, s_.renormalize);
       !st)
     return st;
@@ -213,17 +224,23 @@ Status MoeLayer::backward(void* dx, const void* dy) {
   if (s_.aux_loss_weight != 0.0f && N > 0) {
     // d aux / d probs[n,e] = E f_e / N (f_e a constant: Switch Transformer)
     const float aux_scale = s_.aux_loss_weight * static_cast<float>(E) / n_mean;
-    if (Status st = add_row_vector(ctx_, dt_, dprobs_.get(), load_frac_.as<float>(), aux_scale, N, E); !st) return st;
+    if (Status st = add_row_vector(ctx_, kF32, dprobs_.get(), load_frac_.as<float>(), aux_scale, N, E); !st) return st;
   }
-  if (Status st = fill_zero(ctx_, dlogits_.get(), N * E * static_cast<int64_t>(d)); !st) return st;
-  if (Status st = softmax_backward(ctx_, dt_, dlogits_.get(), dprobs_.get(), probs_.get(), N, E); !st) return st;
+  if (Status st = fill_zero(ctx_, dlogits_.get(), N * E * static_cast<int64_t>(sizeof(float))); !st) return st;
+  if (Status st = softmax_backward(ctx_, kF32, dlogits_.get(), dprobs_.get(), probs_.get(), N, E); !st) return st;
   if (s_.z_loss_weight != 0.0f && N > 0) {
     // d z / d logits[n,e] = 2 lse_n probs[n,e] / N
     const float z_scale = s_.z_loss_weight * 2.0f / n_mean;
-    if (Status st = router_z_backward(ctx_, dt_, dlogits_.get(), lse_.as<float>(), probs_.get(), z_scale, N, E); !st)
+    if (Status st = router_z_backward(ctx_, kF32, dlogits_.get(), lse_.as<float>(), probs_.get(), z_scale, N, E); !st)
       return st;
   }
-  return linear_backward(ctx_, dt_, dx, dwg_.get(), dlogits_.get(), x_, wg_.get(), N, C, E);
+  if (dt_ == kF32) return linear_backward(ctx_, kF32, dx, dwg_.get(), dlogits_.get(), x_, wg_.get(), N, C, E);
+  // dx [N,C] is in dt: the router's share joins the experts' in f32 (dx32), and the sum is rounded
+  // once on the way back.
+  if (Status st = cast_to_f32(ctx_, dt_, dx32_.as<float>(), dx, N * C); !st) return st;
+  if (Status st = linear_backward(ctx_, kF32, dx32_.get(), dwg_.get(), dlogits_.get(), x_, wg_.get(), N, C, E); !st)
+    return st;
+  return cast_f32_to(ctx_, dt_, dx, dx32_.as<float>(), N * C);
 }
 
 double MoeLayer::flops_forward_backward() const {

@@ -11,8 +11,15 @@
 //   aux = E sum_e f_e P_e;  z = mean_n lse_n^2  (moe/router.h; their gradients weighted by MoeShape)
 //   capacity_factor > 0: expert e keeps its first moe::expert_capacity(cf, N, K, E) assignments in the
 //   global order of moe/layout.h (the host runs that very layout code), a dropped one contributes 0.
-// Weights (device, storage type dt): wg [E,C], w1 [E,F,C], w2 [E,C,F], w3 [E,F,C] (SwiGLU); gradients
-// the same shapes, ACCUMULATED by backward (zero them per step).
+// Weights (device): the experts' w1 [E,F,C], w2 [E,C,F], w3 [E,F,C] (SwiGLU) in the storage type dt;
+// the router's wg [E,C] in f32 whatever dt. Gradients the same shapes and types, ACCUMULATED by
+// backward (zero them per step).
+//
+// The router runs in f32 whatever dt (logits, probabilities, their gradients and wg; a bf16 x is
+// widened for it and its share of dx added in f32 before dx is rounded once): rounded to bf16, the
+// probabilities of experts closer than one bf16 step (2^-9 near 0.25) tie, and top-k then always
+// picks the lower index, a load bias no training would want; the aux and z losses read them too.
+// The router is a [N,C] x [C,E] GEMM, a small part of the layer's FLOPs, so f32 costs little there.
 //
 // The layout (expert counts and each assignment's row) is built on the host from the top-k indices:
 // forward synchronizes the stream once for it, as the EP path must (the counts size the all-to-all),
@@ -54,11 +61,11 @@ class MoeLayer {
   Status backward(void* dx, const void* dy);
 
   const MoeShape& shape() const { return s_; }
-  void* wg() { return wg_.get(); }
+  float* wg() { return wg_.as<float>(); }  // f32 whatever dt (the router: above)
   void* w1() { return w1_.get(); }
   void* w2() { return w2_.get(); }
   void* w3() { return w3_.get(); }  // null unless SwiGLU
-  void* dwg() { return dwg_.get(); }
+  float* dwg() { return dwg_.as<float>(); }
   void* dw1() { return dw1_.get(); }
   void* dw2() { return dw2_.get(); }
   void* dw3() { return dw3_.get(); }  // null unless SwiGLU
@@ -82,12 +89,18 @@ class MoeLayer {
   DType dt_;
   MoeShape s_;
   int64_t max_n_, n_ = 0, rows_ = 0;
-  const void* x_ = nullptr;  // the last forward's input (caller-owned; must live until backward)
-  DeviceBuffer wg_, w1_, w2_, w3_, dwg_, dw1_, dw2_, dw3_;      // w3_, dw3_: SwiGLU only
-  DeviceBuffer logits_, probs_, top_values_, top_index_, gate_, token_rows_, row_token_, ones_;  // [N,E] [N,E] [N,K]x4 [R] [N*K]
+  // The last forward's input as the router reads it, f32: x itself under f32 (caller-owned; must live
+  // until backward), else x32_.
+  const float* x_ = nullptr;
+  DeviceBuffer wg_, dwg_;                                       // [E,C] f32
+  DeviceBuffer w1_, w2_, w3_, dw1_, dw2_, dw3_;                 // dt; w3_, dw3_: SwiGLU only
+  DeviceBuffer x32_, dx32_;                                     // [N,C] f32 each, dt != f32 only (x, dx widened)
+  DeviceBuffer logits_, probs_;                                 // [N,E] f32
+  DeviceBuffer top_values_, top_index_, gate_, token_rows_, row_token_, ones_;  // [N,K]x4 [R] [N*K]
   DeviceBuffer bias_, lse_, prob_sum_, load_frac_;              // [E] f32, [N] f32, [E] f64, [E] f32
   DeviceBuffer xp_, h_, h3_, act_, out_rows_;                   // [R,C] [R,F] [R,F] [R,F] [R,C] (h3_: SwiGLU)
-  DeviceBuffer d_out_rows_, dact_, dh_, dh3_, dxp_, dgate_, dprobs_, dlogits_;  // [R,C] [R,F]x3 [R,C] [N,K] [N,E]x2
+  DeviceBuffer d_out_rows_, dact_, dh_, dh3_, dxp_, dgate_;     // [R,C] [R,F]x3 [R,C] (dt), [N,K] f32
+  DeviceBuffer dprobs_, dlogits_;                               // [N,E] f32
   moe::Routing routing_;                                        // host layout of the last forward
   std::vector<int64_t> layout_scratch_;
   std::vector<int32_t> host_token_rows_;                        // [N*K] row of each assignment, -1 if dropped

@@ -80,7 +80,8 @@ Status train(const TrainConfig& cfg) {
   std::unique_ptr<Context> ctx;
   if (Status s = Context::create(0, &ctx); !s) return s;
   std::unique_ptr<GpuModel> model;
-  if (Status s = GpuModel::create(*ctx, cfg.model, B, &model); !s) return s;
+  const DType dt = cfg.dtype == "bf16" ? DType::bf16 : DType::f32;  // validate() allows these two
+  if (Status s = GpuModel::create(*ctx, cfg.model, B, dt, &model); !s) return s;
   if (Status s = model->load_weights(host); !s) return s;
   std::unique_ptr<GpuAdamW> opt;
   if (Status s = GpuAdamW::create(*ctx, *model, ocfg, &opt); !s) return s;
@@ -98,8 +99,10 @@ Status train(const TrainConfig& cfg) {
       cfg.model.activation.c_str(), cfg.model.norm.c_str());
   say("data: %s, %zu files, %.2f MB train / %.2f MB validation, unigram byte entropy %.4f nats\n",
       data_path.c_str(), ds.files().size(), ds.train_bytes() / 1e6, ds.val_bytes() / 1e6, ds.unigram_entropy());
-  say("device: cuda: %s; f32 storage, TF32 off; one rank, every expert on this GPU\n",
-      device_summary(ctx->device()).c_str());
+  say("device: cuda: %s; %s; one rank, every expert on this GPU\n", device_summary(ctx->device()).c_str(),
+      dt == DType::f32 ? "dtype f32 (storage and arithmetic), TF32 off"
+                       : "dtype bf16 (mixed precision: bf16 weight copies and activations, f32 arithmetic, master "
+                         "weights, gradients, AdamW and MoE router)");
   say("gemm: cuBLAS; batch %lld x %lld tokens; %lld steps\n", (long long)B, (long long)T, (long long)cfg.steps);
   if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
 
@@ -164,13 +167,15 @@ Status train(const TrainConfig& cfg) {
                    {"load_imbalance", per_layer_imbalance},
                    {"dropped", per_layer_dropped},
                    {"tokens_per_expert", per_layer_tokens},
-                   {"device", "cuda"}});
+                   {"device", "cuda"},
+                   {"dtype", dtype_name(dt)}});
 
     if (done % cfg.log_every == 0 || done == end) {
-      say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s\n",
+      say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s %s  load max/mean %s\n",
           (long long)done, (long long)cfg.steps, window_loss / window_steps,
           model->aux_loss() / static_cast<double>(std::max<size_t>(1, loads.size())), lr, grad_norm,
-          static_cast<double>(window_steps * B * T) / window_seconds, load_imbalance_line(loads).c_str());
+          static_cast<double>(window_steps * B * T) / window_seconds, dtype_name(dt),
+          load_imbalance_line(loads).c_str());
       window_loss = window_seconds = 0;
       window_steps = 0;
     }

@@ -70,6 +70,9 @@ Status TrainConfig::validate() const {
   if (device == "cuda" && strategy != "ep")
     return fail("device cuda trains on one GPU with one rank: strategy must be ep, not " + strategy);
   if (device == "cuda" && !trace.empty()) return fail("trace: not written with device cuda (CPU ranks only)");
+  if (dtype != "f32" && dtype != "bf16") return fail("dtype '" + dtype + "' is not one of f32, bf16");
+  if (dtype == "bf16" && device != "cuda")
+    return fail("dtype bf16 needs device cuda (device " + device + " computes and stores in f32 only)");
   if (rematerialize && strategy != "hecate") return fail("rematerialize applies to strategy hecate only");
   if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");
   if (!(replica_memory_mb >= 0) || !std::isfinite(replica_memory_mb))
@@ -134,6 +137,7 @@ json TrainConfig::to_json() const {
               {"gemm_gflops", gemm_gflops},
               {"reshard_every", reshard_every},
               {"device", device},
+              {"dtype", dtype},
               {"model", model.to_json()}};
 }
 
@@ -146,7 +150,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "stop_at_step", "threads", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
                                 "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops", "reshard_every",
-                                "device", "model"};
+                                "device", "dtype", "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -172,7 +176,8 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "replica_memory_mb", &c.replica_memory_mb)) &&
       (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
       (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops)) &&
-      (s = read_key(j, "reshard_every", &c.reshard_every)) && (s = read_key(j, "device", &c.device))) {
+      (s = read_key(j, "reshard_every", &c.reshard_every)) && (s = read_key(j, "device", &c.device)) &&
+      (s = read_key(j, "dtype", &c.dtype))) {
   }
   if (!s) return s;
   if (auto it = j.find("model"); it != j.end()) {

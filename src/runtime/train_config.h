@@ -67,6 +67,11 @@ struct TrainConfig {
   // GPU, one rank, strategy ep: cuda/train.h). Checkpoints are the same files either way, so a run
   // may move between them on --resume.
   std::string device = "cpu";
+  // Storage of weights and activations on device cuda: "f32", or "bf16" (mixed precision: bf16
+  // copies of the weights and bf16 activations for forward and backward, f32 master weights,
+  // gradients and AdamW state, so checkpoints are the same files: cuda/gpu_model.h). The CPU model is
+  // f32 only.
+  std::string dtype = "f32";
 
   // Every field and combination; the message names the key and value.
   Status validate() const;

@@ -637,7 +637,7 @@ json resume_identity(const TrainConfig& c) {
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "reshard_every", "device"})
+                        "load_window", "link_gbs", "gemm_gflops", "reshard_every", "device", "dtype"})
     j.erase(k);
   return j;
 }

@@ -28,7 +28,8 @@ Status run_training(const TrainConfig& cfg);
 std::string hex64(uint64_t x);
 // The parts of the config a resumed run must share with the checkpoint ("identity" in state.json)
 // for the result to be the run that never stopped; paths, logging, the stop point, the strategy and
-// the device (speed only) may differ.
+// the device (speed only) may differ, and so may the dtype (a checkpoint holds the f32 master weights
+// and moments whichever dtype trained them; bf16 changes the arithmetic's roundings, not the model).
 nlohmann::json resume_identity(const TrainConfig& c);
 // Checks a loaded checkpoint's state against this run (step below cfg.steps, same corpus hash, same
 // identity) and returns its step in *start. Errors name the checkpoint and the key that differs.

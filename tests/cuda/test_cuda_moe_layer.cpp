@@ -1,7 +1,8 @@
 // cuda::MoeLayer (src/cuda/moe_layer.h) forward and backward against the same math written token by
-// token with the CPU kernels (tensor/ops.h), in f32. (bf16 is left to the per-op tests: rounding the
-// router's probabilities to bf16 can turn a near-tie into a tie and change which expert a token picks,
-// which no tolerance covers.) Skips without a GPU.
+// token with the CPU kernels (tensor/ops.h), in f32. (bf16 is left to the per-op tests and to
+// test_cuda_train's bf16 model: the router runs in f32 either way, but x rounded to bf16 moves its
+// logits, which can turn a near-tie into the other expert, a change no elementwise tolerance covers.)
+// Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,9 +1,10 @@
 // `moe train --device cuda` against the CPU: cuda::GpuModel + cuda::GpuAdamW and moe::Model + moe::AdamW
 // from the same initial weights on the same batches, for every block type (GELU / SwiGLU experts,
-// LayerNorm / RMSNorm, dense blocks, capacity dropping, router bias, top-1); a checkpoint written from
-// the GPU resuming on the CPU and on the GPU; and the command line's --device checks.
+// LayerNorm / RMSNorm, dense blocks, capacity dropping, router bias, top-1), in f32 and in bf16 mixed
+// precision (tolerances in the section "bf16 mixed precision" below); a checkpoint written from the
+// GPU resuming on the CPU and on the GPU; and the command line's --device and --dtype checks.
 //
-// Tolerances (cuda/ops.h's f32 policy, |gpu - cpu| <= 1e-4 * max(1, |cpu|), where it applies):
+// f32 tolerances (cuda/ops.h's f32 policy, |gpu - cpu| <= 1e-4 * max(1, |cpu|), where it applies):
 //  - losses (cross-entropy, aux, z), gradient norms, the final weights: 1e-4 * max(1, |cpu|). The
 //    test's AdamW uses eps = 1e-6 instead of 1e-8: Adam's first step moves a weight by lr * g / (|g| +
 //    eps), which for |g| below eps-scale rounding noise flips with g's sign (a 2 lr jump from a 1e-9
@@ -20,9 +21,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -47,6 +50,7 @@ struct Variant {
   std::string name;
   ModelConfig cfg;
 };
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }  // in gtest's messages, not its bytes
 
 ModelConfig small() {
   ModelConfig c;
@@ -184,7 +188,7 @@ TEST_P(CudaTrain, ThreeStepsMatchTheCpuModelAndOptimizer) {
   cpu.init(7);
   AdamW cpu_opt(cpu.params(), test_adamw());
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, &gpu).is_ok());
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::f32, &gpu).is_ok());
   ASSERT_TRUE(gpu->load_weights(cpu).is_ok());
   EXPECT_EQ(gpu->num_params(), cpu.num_params());
   std::unique_ptr<GpuAdamW> gpu_opt;
@@ -256,7 +260,7 @@ TEST_P(CudaTrain, CheckpointFromTheGpuResumesOnTheCpuAndOnTheGpu) {
   host.init(11);
   AdamW host_opt(host.params(), test_adamw());
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, &gpu).is_ok());
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::f32, &gpu).is_ok());
   ASSERT_TRUE(gpu->load_weights(host).is_ok());
   std::unique_ptr<GpuAdamW> gpu_opt;
   ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, test_adamw(), &gpu_opt).is_ok());
@@ -286,7 +290,7 @@ TEST_P(CudaTrain, CheckpointFromTheGpuResumesOnTheCpuAndOnTheGpu) {
   AdamW host2_opt(host2.params(), test_adamw());
   ASSERT_TRUE(load_checkpoint(ck, host2.params(), &host2_opt, &state).is_ok());
   std::unique_ptr<GpuModel> gpu2;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, &gpu2).is_ok());
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::f32, &gpu2).is_ok());
   ASSERT_TRUE(gpu2->load_weights(host2).is_ok());
   std::unique_ptr<GpuAdamW> gpu2_opt;
   ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu2, test_adamw(), &gpu2_opt).is_ok());
@@ -302,13 +306,211 @@ TEST_P(CudaTrain, LoadRejectsAHostModelOfAnotherConfig) {
   other.n_experts *= 2;
   moe::Model host(other, kBatch);
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, GetParam().cfg, kBatch, &gpu).is_ok());
+  ASSERT_TRUE(GpuModel::create(*ctx_, GetParam().cfg, kBatch, DType::f32, &gpu).is_ok());
   const Status s = gpu->load_weights(host);
   EXPECT_FALSE(s.is_ok());
   EXPECT_NE(s.message().find("moe.router.weight"), std::string::npos) << s.message();
 }
 
 INSTANTIATE_TEST_SUITE_P(Blocks, CudaTrain, ::testing::ValuesIn(variants()),
+                         [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
+
+// ---- bf16 mixed precision ------------------------------------------------------------------------
+//
+// The bf16 model follows the f32 CPU model from the same weights: its forward and backward round the
+// weights' copies, the activations and their gradients to bf16 (8 significant bits: 2^-9 relative per
+// rounding, a few roundings deep), while the masters, the gradients and AdamW stay f32. Tolerances:
+//  - losses (cross-entropy, aux, z) and the gradient norm: relative 5e-3 (on the host transliteration
+//    of the kernels: up to 3e-5 for the cross-entropy, 2.4e-4 for the norm, 5.5e-4 for the aux loss of
+//    the step where a token took another expert, below; so 10x that, inside the usual 2e-2 of bf16).
+//  - the first step's gradients, per tensor: ||gpu - cpu|| / ||cpu|| <= 3e-2 (measured up to ~1e-2 on
+//    the host transliteration of the kernels; a gradient lost, or added twice, is off by 1).
+//    This needs the CPU's routing, which the test checks first: rounding the router's input x to bf16
+//    moves its logits slightly, and a near-tie can tip a token to another expert. None does at step 1
+//    here; over steps 2 and 3 (weights a little apart) one token did on the host, so there:
+//  - routing: at most 1 in 16 of the assignments on another expert than on the CPU (a broken router
+//    moves most of them).
+//  - the weights' updates over the 3 steps: over all parameters, ||gpu - cpu|| / ||cpu|| <= 2e-2; per
+//    tensor <= 0.5 (a token on another expert moves its experts' and router's updates by ~10-30%; a
+//    tensor that misses its update or gets it twice is off by 1).
+//    With AdamW's eps = 1, above every gradient element (|g| < 0.1 here), its steps are ~ lr * m,
+//    linear in the gradients, so the updates compare like gradients; Adam's usual step, lr * sign(g)
+//    for |g| >> eps, would hide a wrong magnitude. Weight decay 0: it is the same on both devices and
+//    would only dilute the updates' difference. lr 0.1: the updates (1e-4 and up a step) then outgrow
+//    a bf16 step of the weights (~1e-4 at |w| ~ 0.02), so the copies must follow the masters to keep up.
+// And exactly, where mixed precision must lose nothing: after AdamW steps the model computes the very
+// bits of a fresh model loaded with its master weights (its bf16 copies are the masters rounded, not
+// stale), and a checkpoint written from a bf16 run resumes bit-exactly on the GPU.
+
+constexpr double kBf16Loss = 5e-3, kBf16Grad = 3e-2, kBf16Update = 2e-2, kBf16TensorUpdate = 0.5;
+
+AdamWConfig bf16_adamw() {
+  AdamWConfig a;
+  a.lr = 0.1f;
+  a.eps = 1.0f;  // see above
+  a.weight_decay = 0.0f;
+  return a;
+}
+
+// ||a - b|| / ||b|| in double (b all zero: ||a||).
+double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += (a[i] - b[i]) * (a[i] - b[i]), r += b[i] * b[i];
+  return r > 0 ? std::sqrt(d / r) : std::sqrt(d);
+}
+std::vector<double> values_of(const Tensor& t) { return std::vector<double>(t.data(), t.data() + t.numel()); }
+
+// Assignments (token, choice) whose expert differs from the CPU's, over the MoE layers, and all of them.
+std::pair<int64_t, int64_t> moved_assignments(const GpuModel& gpu, const moe::Model& cpu) {
+  int64_t moved = 0, all = 0;
+  for (int64_t l = 0; l < gpu.config().n_layers; ++l) {
+    const MoeLayer* g = gpu.moe_layer(l);
+    const moe::MoeLayer* c = cpu.moe_layer(l);
+    if (!g || !c) continue;
+    const std::vector<int32_t>& a = g->routing().expert;
+    const std::vector<int32_t>& b = c->routing().expert;
+    EXPECT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i) moved += a[i] != b[i];
+    all += static_cast<int64_t>(b.size());
+  }
+  return {moved, all};
+}
+
+class CudaTrainBf16 : public CudaTrain {};
+
+TEST_P(CudaTrainBf16, ThreeStepsFollowTheCpuModelAtBf16Tolerance) {
+  const ModelConfig cfg = GetParam().cfg;
+  moe::Model cpu(cfg, kBatch);
+  cpu.init(7);
+  AdamW cpu_opt(cpu.params(), bf16_adamw());
+  std::unique_ptr<GpuModel> gpu;
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &gpu).is_ok());
+  EXPECT_EQ(gpu->dtype(), DType::bf16);
+  ASSERT_TRUE(gpu->load_weights(cpu).is_ok());
+  std::unique_ptr<GpuAdamW> gpu_opt;
+  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, bf16_adamw(), &gpu_opt).is_ok());
+  const std::vector<Param*> cp = cpu.params();
+  std::vector<std::vector<double>> initial;  // the weights before the steps, per parameter
+  for (const Param* p : cp) initial.push_back(values_of(p->value));
+
+  moe::Model check(cfg, kBatch);  // receives the GPU's gradients and weights
+  const std::vector<Param*> gp = check.params();
+  for (int64_t step = 0; step < 3; ++step) {
+    std::vector<int32_t> tokens, targets;
+    batch(step, cfg, &tokens, &targets);
+    cpu.zero_grad();
+    const double cl = cpu.forward(tokens.data(), targets.data(), kBatch);
+    cpu.backward();
+    double gl = NAN;
+    ASSERT_TRUE(gpu->zero_grad().is_ok());
+    ASSERT_TRUE(gpu->forward(tokens.data(), targets.data(), kBatch, &gl).is_ok());
+    ASSERT_TRUE(gpu->backward().is_ok());
+    const auto [moved, assignments] = moved_assignments(*gpu, cpu);
+    std::printf("  step %lld: loss cpu %.6f bf16 %.6f  aux %.6f / %.6f  z %.6f / %.6f  moved %lld of %lld\n",
+                (long long)step + 1, cl, gl, cpu.aux_loss(), gpu->aux_loss(), cpu.z_loss(), gpu->z_loss(),
+                (long long)moved, (long long)assignments);
+    EXPECT_LE(rel(gl, cl), kBf16Loss) << "step " << step + 1;
+    EXPECT_LE(rel(gpu->aux_loss(), cpu.aux_loss()), kBf16Loss) << "step " << step + 1;
+    EXPECT_LE(rel(gpu->z_loss(), cpu.z_loss()), kBf16Loss) << "step " << step + 1;
+    EXPECT_LE(moved * 16, assignments) << "step " << step + 1;
+    if (step == 0) {
+      ASSERT_EQ(moved, 0) << "a token took another expert than on the CPU: the gradients can no longer compare";
+      ASSERT_TRUE(gpu->store_gradients(&check).is_ok());
+      double worst = 0;
+      std::string worst_name;
+      for (size_t i = 0; i < cp.size(); ++i) {
+        const double d = rel_l2(values_of(gp[i]->grad), values_of(cp[i]->grad));
+        EXPECT_LE(d, kBf16Grad) << "gradient of " << cp[i]->name;
+        if (d > worst) worst = d, worst_name = cp[i]->name;
+      }
+      std::printf("  grads    max relative L2 diff %.3e (%s)\n", worst, worst_name.c_str());
+    }
+    double cn = cpu_opt.clip_grad_norm(1.0f), gn = NAN;
+    ASSERT_TRUE(gpu_opt->clip_grad_norm(1.0f, &gn).is_ok());
+    EXPECT_LE(rel(gn, cn), kBf16Loss) << "gradient norm, step " << step + 1;
+    std::printf("  gradient norm cpu %.6f bf16 %.6f\n", cn, gn);
+    cpu_opt.step(bf16_adamw().lr);
+    ASSERT_TRUE(gpu_opt->step(bf16_adamw().lr).is_ok());
+  }
+  ASSERT_TRUE(ctx_->synchronize().is_ok());
+  ASSERT_TRUE(gpu->store_weights(&check).is_ok());
+  std::vector<double> all_gpu, all_cpu;  // every parameter's update, concatenated
+  double worst = 0;
+  std::string worst_name;
+  for (size_t i = 0; i < cp.size(); ++i) {
+    std::vector<double> dg = values_of(gp[i]->value), dc = values_of(cp[i]->value);
+    for (size_t j = 0; j < dg.size(); ++j) dg[j] -= initial[i][j], dc[j] -= initial[i][j];
+    const double d = rel_l2(dg, dc);
+    EXPECT_LE(d, kBf16TensorUpdate) << "update of " << cp[i]->name << " over 3 steps";
+    if (d > worst) worst = d, worst_name = cp[i]->name;
+    all_gpu.insert(all_gpu.end(), dg.begin(), dg.end());
+    all_cpu.insert(all_cpu.end(), dc.begin(), dc.end());
+  }
+  const double all = rel_l2(all_gpu, all_cpu);
+  EXPECT_LE(all, kBf16Update) << "the updates of all parameters over 3 steps";
+  std::printf("  updates  relative L2 diff %.3e, of one tensor up to %.3e (%s)\n", all, worst, worst_name.c_str());
+
+  // The copies the trained model computes with are its masters rounded: a fresh bf16 model loaded with
+  // those masters gives the same bits on the next batch (stale copies, or copies refreshed from
+  // anything else, would not).
+  std::unique_ptr<GpuModel> fresh;
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &fresh).is_ok());
+  ASSERT_TRUE(fresh->load_weights(check).is_ok());
+  std::vector<int32_t> tokens, targets;
+  batch(3, cfg, &tokens, &targets);
+  double trained = NAN, loaded = NAN;
+  ASSERT_TRUE(gpu->forward(tokens.data(), targets.data(), kBatch, &trained).is_ok());
+  ASSERT_TRUE(fresh->forward(tokens.data(), targets.data(), kBatch, &loaded).is_ok());
+  EXPECT_EQ(trained, loaded) << "the trained model's bf16 weight copies are not its master weights rounded";
+  EXPECT_EQ(gpu->moe_loss(), fresh->moe_loss());
+}
+
+// A checkpoint written from a bf16 run holds its f32 masters and moments, the same file as ever: it
+// resumes on a fresh bf16 GPU model bit-exactly (so nothing else carries state across steps) and on
+// the CPU at bf16 tolerance.
+TEST_P(CudaTrainBf16, CheckpointResumesOnTheGpuBitExactlyAndOnTheCpu) {
+  const ModelConfig cfg = GetParam().cfg;
+  moe::Model host(cfg, kBatch);
+  host.init(11);
+  AdamW host_opt(host.params(), bf16_adamw());
+  std::unique_ptr<GpuModel> gpu;
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &gpu).is_ok());
+  ASSERT_TRUE(gpu->load_weights(host).is_ok());
+  std::unique_ptr<GpuAdamW> gpu_opt;
+  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, bf16_adamw(), &gpu_opt).is_ok());
+  for (int64_t step = 0; step < 2; ++step) gpu_step(*gpu, *gpu_opt, step);
+  ASSERT_TRUE(gpu->store_weights(&host).is_ok());
+  ASSERT_TRUE(gpu_opt->store_state(&host_opt).is_ok());
+  const std::string ck = (dir_ / "ck").string();
+  ASSERT_TRUE(save_checkpoint(ck, host.params(), host_opt, {{"step", 2}}).is_ok());
+  const double g3 = gpu_step(*gpu, *gpu_opt, 2), g4 = gpu_step(*gpu, *gpu_opt, 3);
+
+  moe::Model host2(cfg, kBatch);
+  host2.init(99);  // other weights: the checkpoint must overwrite them all
+  AdamW host2_opt(host2.params(), bf16_adamw());
+  nlohmann::json state;
+  ASSERT_TRUE(load_checkpoint(ck, host2.params(), &host2_opt, &state).is_ok());
+  std::unique_ptr<GpuModel> gpu2;
+  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &gpu2).is_ok());
+  ASSERT_TRUE(gpu2->load_weights(host2).is_ok());
+  std::unique_ptr<GpuAdamW> gpu2_opt;
+  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu2, bf16_adamw(), &gpu2_opt).is_ok());
+  ASSERT_TRUE(gpu2_opt->load_state(host2_opt).is_ok());
+  const double r3 = gpu_step(*gpu2, *gpu2_opt, 2), r4 = gpu_step(*gpu2, *gpu2_opt, 3);
+  EXPECT_EQ(r3, g3) << "bf16 GPU resume is not bit-exact";
+  EXPECT_EQ(r4, g4) << "bf16 GPU resume is not bit-exact";
+
+  moe::Model cpu(cfg, kBatch);
+  AdamW cpu_opt(cpu.params(), bf16_adamw());
+  ASSERT_TRUE(load_checkpoint(ck, cpu.params(), &cpu_opt, &state).is_ok());
+  const double c3 = cpu_step(cpu, cpu_opt, 2), c4 = cpu_step(cpu, cpu_opt, 3);
+  std::printf("  steps 3, 4: bf16 gpu %.6f %.6f  resumed on the gpu %.6f %.6f, on the cpu %.6f %.6f\n", g3, g4, r3, r4,
+              c3, c4);
+  EXPECT_LE(rel(c3, g3), kBf16Loss);
+  EXPECT_LE(rel(c4, g4), kBf16Loss);
+}
+
+INSTANTIATE_TEST_SUITE_P(Blocks, CudaTrainBf16, ::testing::ValuesIn(variants()),
                          [](const ::testing::TestParamInfo<Variant>& i) { return i.param.name; });
 
 // ---- the command line (runs with or without a GPU) -----------------------------------------------
@@ -398,6 +600,35 @@ TEST_F(CudaTrainCli, MovesFromTheGpuToTheCpuThroughACheckpoint) {
   for (size_t i = 0; i < 4; ++i) {
     std::printf("  step %zu: gpu %.6f  gpu, then cpu from step 3: %.6f\n", i + 1, a[i], b[i]);
     EXPECT_LE(rel(b[i], a[i]), 1e-4) << "step " << i + 1;
+  }
+}
+
+// `--dtype bf16` trains, says so, follows the f32 run at bf16 tolerance, and its checkpoint (f32
+// masters, the same files) resumes on the CPU, in f32, without complaint.
+TEST_F(CudaTrainCli, TrainsInBf16AndMovesToTheCpuThroughACheckpoint) {
+  if (device_count() == 0) GTEST_SKIP() << device_summary();
+  const std::string ck = (dir_ / "ck").string();
+  ShellResult f32 = run("--steps 4 --device cuda --metrics " + (dir_ / "f32.jsonl").string());
+  ASSERT_EQ(f32.exit_code, 0) << f32.output;
+  ShellResult bf16 = run("--steps 4 --device cuda --dtype bf16 --metrics " + (dir_ / "bf16.jsonl").string());
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  EXPECT_NE(bf16.output.find("dtype bf16"), std::string::npos) << bf16.output;
+  EXPECT_NE(bf16.output.find("tok/s bf16"), std::string::npos) << bf16.output;
+  ShellResult part = run("--steps 4 --stop-at-step 2 --device cuda --dtype bf16 --checkpoint-dir " + ck +
+                         " --metrics " + (dir_ / "moved.jsonl").string());
+  ASSERT_EQ(part.exit_code, 0) << part.output;
+  ShellResult rest = run("--steps 4 --device cpu --resume " + ck + " --metrics " + (dir_ / "moved.jsonl").string());
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  const std::vector<double> a = losses(dir_ / "f32.jsonl"), b = losses(dir_ / "bf16.jsonl"),
+                            m = losses(dir_ / "moved.jsonl");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  ASSERT_EQ(m.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    std::printf("  step %zu: f32 %.6f  bf16 %.6f  bf16, then cpu from step 3: %.6f\n", i + 1, a[i], b[i], m[i]);
+    EXPECT_LE(rel(b[i], a[i]), kBf16Loss) << "step " << i + 1;
+    if (i < 2) EXPECT_EQ(m[i], b[i]) << "the same bf16 steps, step " << i + 1;
+    else EXPECT_LE(rel(m[i], b[i]), kBf16Loss) << "step " << i + 1;
   }
 }
 
