@@ -14,7 +14,7 @@
 // interleaved so that other jobs on the machine weigh on all alike, and each run is predicted with
 // its own load (its metrics file, replayed); the row shows the medians over the runs and error =
 // predicted / measured - 1, and every run's measured time (the machine's noise). The calibration runs
-// come before the rounds.
+// are spread over the rounds (the first opens round 1), and nothing is predicted before all runs ended.
 //
 // What the predictions use, all from the calibration run or measured facts:
 //   * this machine: the calibrated cluster of CPU ranks sharing its cores (hardware_concurrency): the
@@ -148,29 +148,6 @@ int sim_fidelity(const BenchOptions& opt) {
   std::printf("moe bench sim-fidelity: calibrate on %d runs of moe train --ranks %d (default model, batch %lld, %d "
               "thread per rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
               kCalRuns, cal_ranks, (long long)base_batch, threads, cores);
-  // The calibration: kCalRuns runs of the calibration configuration, fitted together (`cal`) and the
-  // first alone (`cal1`, the "one run"), both shown.
-  std::vector<std::string> cal_runs;
-  for (int k = 0; k < kCalRuns; ++k) {
-    const fs::path run_dir = dir / str_cat("calibration", k);
-    fs::create_directories(run_dir);
-    const Measured m = train(local_launch(cal_ranks),
-                             common + model_flags(base) + " --batch-size " + std::to_string(base_batch),
-                             (run_dir / "metrics.jsonl").string(), (run_dir / "trace.json").string());
-    if (!m.ok) return 1;
-    cal_runs.push_back(run_dir.string());
-  }
-  sim::CalibrationResult cal, cal1;
-  for (auto [result, runs] : {std::pair{&cal, cal_runs}, std::pair{&cal1, std::vector<std::string>{cal_runs[0]}}}) {
-    if (Status s = sim::calibrate(runs, base, result, {cores, threads}); !s) {
-      std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-      return 1;
-    }
-  }
-  std::fputs(sim::describe(cal).c_str(), stdout);
-  std::printf("  (the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s)\n",
-              cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
-
   struct Case {
     std::string name;
     int ranks;
@@ -183,11 +160,67 @@ int sim_fidelity(const BenchOptions& opt) {
                                    {"batch x2 (2 ranks)", 2, 2 * base_batch, 8},
                                    {"16 experts (2 ranks)", 2, base_batch, 16},
                                    {"2 hosts x 1 rank, 1 Gbit/s", 2, base_batch, 8, true}};
-  // Every configuration's predicted cluster, and the emulated cluster (up for the whole bench).
-  std::unique_ptr<EmulatedCluster> cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);
-  const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
-  std::vector<sim::SimRunConfig> cfgs, cfgs1;  // calibrated on all calibration runs / on the first
   std::vector<std::string> args;
+  for (const Case& c : cases) {
+    ModelConfig m = base;
+    m.n_experts = c.experts;
+    args.push_back(common + model_flags(m) + " --batch-size " + std::to_string(c.batch));
+  }
+  const std::string cal_args = common + model_flags(base) + " --batch-size " + std::to_string(base_batch);
+
+  // `runs` rounds, each running every configuration once, interleaved so that the machine's other jobs
+  // coming and going weigh on every row alike. The calibration runs are spread over the rounds too
+  // (run j opens round j * runs / kCalRuns): taken all before the rounds, they sampled one stretch of
+  // the machine's load, whose level then shifted every prediction (seen: +9.9% on the calibration
+  // configuration itself). Nothing is predicted before every run has ended.
+  std::unique_ptr<EmulatedCluster> cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);  // up for the whole bench
+  const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
+  const int runs = std::max(1, opt.repeats);
+  const size_t n = cases.size();
+  std::vector<std::string> cal_runs;
+  std::vector<std::vector<std::string>> metrics(n);  // per configuration, its runs' metrics files
+  std::vector<std::vector<double>> measured(n), measured_step(n);
+  std::vector<char> failed_case(n, 0);
+  int next_cal = 0;
+  for (int k = 0; k < runs; ++k) {
+    for (; next_cal < kCalRuns && next_cal * runs / kCalRuns <= k; ++next_cal) {
+      const fs::path run_dir = dir / str_cat("calibration", next_cal);
+      fs::create_directories(run_dir);
+      const Measured m = train(local_launch(cal_ranks), cal_args, (run_dir / "metrics.jsonl").string(),
+                               (run_dir / "trace.json").string());
+      if (!m.ok) return 1;
+      cal_runs.push_back(run_dir.string());
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (failed_case[i] || (cases[i].two_hosts && !no_hosts.empty())) continue;
+      const std::string file = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
+      const Measured meas = train(cases[i].two_hosts ? cluster->command("run --") : local_launch(cases[i].ranks), args[i],
+                                  file, "");
+      if (!meas.ok) {
+        failed_case[i] = 1;
+        continue;
+      }
+      metrics[i].push_back(file);
+      measured[i].push_back(meas.graph_ms), measured_step[i].push_back(meas.step_ms);
+    }
+    std::fprintf(stderr, "bench sim-fidelity: round %d of %d done\n", k + 1, runs);
+  }
+  cluster.reset();  // down before the table, whatever comes next
+
+  // The calibration: the kCalRuns runs fitted together (`cal`) and the first alone (`cal1`, the
+  // issue's "one run"), both shown.
+  sim::CalibrationResult cal, cal1;
+  for (auto [result, cal_set] : {std::pair{&cal, cal_runs}, std::pair{&cal1, std::vector<std::string>{cal_runs[0]}}}) {
+    if (Status s = sim::calibrate(cal_set, base, result, {cores, threads}); !s) {
+      std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
+      return 1;
+    }
+  }
+  std::fputs(sim::describe(cal).c_str(), stdout);
+  std::printf("  (the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s)\n",
+              cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
+
+  // Every run predicted with its own load (its metrics file, replayed) on its configuration's cluster.
   auto cluster_for = [&](const Case& c, const sim::CalibrationResult& from, sim::ClusterSpec* out) {
     if (!c.two_hosts) {
       *out = sim::shared_cores_cluster(from, threads, cores);
@@ -196,55 +229,31 @@ int sim_fidelity(const BenchOptions& opt) {
     const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
     return sim::two_node_cluster(from, c.ranks / 2, nic, out);
   };
-  for (const Case& c : cases) {
-    ModelConfig m = base;
-    m.n_experts = c.experts;
-    args.push_back(common + model_flags(m) + " --batch-size " + std::to_string(c.batch));
+  std::vector<std::vector<double>> predicted(n), predicted1(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Case& c = cases[i];
     sim::SimRunConfig cfg;
-    cfg.model = m;
+    cfg.model = base;
+    cfg.model.n_experts = c.experts;
     cfg.ranks = c.ranks;
     cfg.batch = c.batch;
     cfg.steps = steps - 1;
     cfg.allreduce_micro_bytes = 256 << 10;  // moe train's default
-    sim::SimRunConfig cfg1 = cfg;
-    for (auto [from, to] : {std::pair{&cal, &cfg.cluster}, std::pair{&cal1, &cfg1.cluster}}) {
-      if (Status s = cluster_for(c, *from, to); !s) {
+    for (auto [from, out] : {std::pair{&cal, &predicted[i]}, std::pair{&cal1, &predicted1[i]}}) {
+      if (Status s = cluster_for(c, *from, &cfg.cluster); !s) {
         std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
         return 1;
       }
-    }
-    cfgs.push_back(std::move(cfg));
-    cfgs1.push_back(std::move(cfg1));
-  }
-  // `runs` rounds, each running every configuration once (each run predicted with its own load):
-  // interleaved, so that the machine's other jobs coming and going weigh on every row alike.
-  const int runs = std::max(1, opt.repeats);
-  const size_t n = cases.size();
-  std::vector<std::vector<double>> measured(n), predicted(n), predicted1(n), measured_step(n);
-  std::vector<char> failed_case(n, 0);
-  for (int k = 0; k < runs; ++k) {
-    for (size_t i = 0; i < n; ++i) {
-      if (failed_case[i] || (cases[i].two_hosts && !no_hosts.empty())) continue;
-      const std::string metrics = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
-      const Measured meas = train(cases[i].two_hosts ? cluster->command("run --") : local_launch(cases[i].ranks), args[i],
-                                  metrics, "");
-      if (!meas.ok) {
-        failed_case[i] = 1;
-        continue;
-      }
-      double p = 0, p1 = 0;
-      for (auto [cfg, ms] : {std::pair{&cfgs[i], &p}, std::pair{&cfgs1[i], &p1}}) {
-        if (Status s = predict(*cfg, metrics, ms); !s) {
+      for (const std::string& file : metrics[i]) {
+        double ms = 0;
+        if (Status s = predict(cfg, file, &ms); !s) {
           std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
           return 1;
         }
+        out->push_back(ms);
       }
-      measured[i].push_back(meas.graph_ms), measured_step[i].push_back(meas.step_ms);
-      predicted[i].push_back(p), predicted1[i].push_back(p1);
     }
-    std::fprintf(stderr, "bench sim-fidelity: round %d of %d done\n", k + 1, runs);
   }
-  cluster.reset();  // down before the table, whatever comes next
 
   std::printf("\n%-28s %14s %14s %9s %17s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
               "error (1-run cal)", "measured step ms", "measured ms of each run");
