@@ -203,6 +203,8 @@ int cuda_kernels(const BenchOptions& opt) {
     if (Status s = ly.allocate(sh.tokens * sh.C * 2); !s) return fail(s);
     if (Status s = ldx.allocate(sh.tokens * sh.C * 2); !s) return fail(s);
     if (Status s = fill_random_bf16(*ctx, lx.get(), lx.bytes(), 8); !s) return fail(s);
+    // backward adds into dx; cudaMalloc leaves whatever was there (NaNs would time other paths)
+    if (Status s = cuda::fill_zero(*ctx, ldx.get(), static_cast<int64_t>(ldx.bytes())); !s) return fail(s);
     double layer_s = 0;
     Status st = time_it(*ctx, repeats, 3, [&] {
       if (Status s = layer->forward(ly.get(), lx.get(), sh.tokens); !s) return s;

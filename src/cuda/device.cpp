@@ -97,6 +97,14 @@ Status Context::create(int device, std::unique_ptr<Context>* out) {
   if (Status s = cublas_status(cublasLtCreate(&ctx->cublas_lt_), "cublasLtCreate"); !s) return s;
   if (Status s = ctx->workspace_.allocate(kCublasWorkspaceBytes); !s) return s;
   if (Status s = cublas_status(cublasSetStream(ctx->cublas_, ctx->stream_), "cublasSetStream"); !s) return s;
+  // By default a GEMM with bf16 output may add its split-K partial sums in bf16; ops.h promises one
+  // rounding of an f32 sum (the weight gradients, whose K is every token, are the likely split-K case).
+  if (Status s = cublas_status(cublasSetMathMode(ctx->cublas_, static_cast<cublasMath_t>(
+                                                                   CUBLAS_DEFAULT_MATH |
+                                                                   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+                               "cublasSetMathMode");
+      !s)
+    return s;
   if (Status s = cublas_status(cublasSetWorkspace(ctx->cublas_, ctx->workspace_.get(), ctx->workspace_.bytes()),
                                "cublasSetWorkspace");
       !s)

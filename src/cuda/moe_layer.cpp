@@ -235,8 +235,8 @@ Status MoeLayer::backward(void* dx, const void* dy) {
       return st;
   }
   if (dt_ == kF32) return linear_backward(ctx_, kF32, dx, dwg_.get(), dlogits_.get(), x_, wg_.get(), N, C, E);
-  // dx [N,C] is in dt: the router's share joins the experts' in f32 (dx32), and the sum is rounded
-  // once on the way back.
+  // dx [N,C] is in dt and holds the experts' share (rounded by the combine): widened into dx32, it
+  // gets the router's share in f32, and the sum is rounded back into dx.
   if (Status st = cast_to_f32(ctx_, dt_, dx32_.as<float>(), dx, N * C); !st) return st;
   if (Status st = linear_backward(ctx_, kF32, dx32_.get(), dwg_.get(), dlogits_.get(), x_, wg_.get(), N, C, E); !st)
     return st;

@@ -15,10 +15,12 @@
 // the router's wg [E,C] in f32 whatever dt. Gradients the same shapes and types, ACCUMULATED by
 // backward (zero them per step).
 //
-// The router runs in f32 whatever dt (logits, probabilities, their gradients and wg; a bf16 x is
-// widened for it and its share of dx added in f32 before dx is rounded once): rounded to bf16, the
-// probabilities of experts closer than one bf16 step (2^-9 near 0.25) tie, and top-k then always
-// picks the lower index, a load bias no training would want; the aux and z losses read them too.
+// The router runs in f32 whatever dt: its logits, probabilities, their gradients and wg. Rounded to
+// bf16, the probabilities of experts closer than one bf16 step (2^-9 near 0.25) would tie, and top-k
+// would then always pick the lower index, a load bias no training would want; the aux and z losses
+// read them too. Under bf16, x is widened for the router, and in backward dx, which holds the
+// experts' share rounded to bf16 by the combine, is widened, gets the router's share added in f32,
+// and is rounded again.
 // The router is a [N,C] x [C,E] GEMM, a small part of the layer's FLOPs, so f32 costs little there.
 //
 // The layout (expert counts and each assignment's row) is built on the host from the top-k indices:

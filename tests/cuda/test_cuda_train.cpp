@@ -325,9 +325,10 @@ INSTANTIATE_TEST_SUITE_P(Blocks, CudaTrain, ::testing::ValuesIn(variants()),
 //    the step where a token took another expert, below; so 10x that, inside the usual 2e-2 of bf16).
 //  - the first step's gradients, per tensor: ||gpu - cpu|| / ||cpu|| <= 3e-2 (measured up to ~1e-2 on
 //    the host transliteration of the kernels; a gradient lost, or added twice, is off by 1).
-//    This needs the CPU's routing, which the test checks first: rounding the router's input x to bf16
-//    moves its logits slightly, and a near-tie can tip a token to another expert. None does at step 1
-//    here; over steps 2 and 3 (weights a little apart) one token did on the host, so there:
+//    This needs the CPU's routing: rounding the router's input x to bf16 moves its logits slightly,
+//    and a near-tie can tip a token to another expert. None did at step 1 on the host; if one does on
+//    a GPU, step 1's gradients are held to the updates' bounds below instead. Over steps 2 and 3
+//    (weights a little apart) one token did on the host, so there:
 //  - routing: at most 1 in 16 of the assignments on another expert than on the CPU (a broken router
 //    moves most of them).
 //  - the weights' updates over the 3 steps: over all parameters, ||gpu - cpu|| / ||cpu|| <= 2e-2; per
@@ -414,16 +415,27 @@ TEST_P(CudaTrainBf16, ThreeStepsFollowTheCpuModelAtBf16Tolerance) {
     EXPECT_LE(rel(gpu->z_loss(), cpu.z_loss()), kBf16Loss) << "step " << step + 1;
     EXPECT_LE(moved * 16, assignments) << "step " << step + 1;
     if (step == 0) {
-      ASSERT_EQ(moved, 0) << "a token took another expert than on the CPU: the gradients can no longer compare";
+      // Per tensor within kBf16Grad needs the CPU's routing. A GPU sums in another order than the host
+      // transliteration the tolerances were measured on, and may tip a near-tie: a token on another
+      // expert moves its experts' gradients by ~10-30%, so then the bounds of the updates (below) hold
+      // instead, over all parameters and per tensor.
+      const bool same_routing = moved == 0;
       ASSERT_TRUE(gpu->store_gradients(&check).is_ok());
       double worst = 0;
       std::string worst_name;
+      std::vector<double> all_gpu, all_cpu;
       for (size_t i = 0; i < cp.size(); ++i) {
-        const double d = rel_l2(values_of(gp[i]->grad), values_of(cp[i]->grad));
-        EXPECT_LE(d, kBf16Grad) << "gradient of " << cp[i]->name;
+        const std::vector<double> g = values_of(gp[i]->grad), c = values_of(cp[i]->grad);
+        const double d = rel_l2(g, c);
+        EXPECT_LE(d, same_routing ? kBf16Grad : kBf16TensorUpdate) << "gradient of " << cp[i]->name;
         if (d > worst) worst = d, worst_name = cp[i]->name;
+        all_gpu.insert(all_gpu.end(), g.begin(), g.end());
+        all_cpu.insert(all_cpu.end(), c.begin(), c.end());
       }
-      std::printf("  grads    max relative L2 diff %.3e (%s)\n", worst, worst_name.c_str());
+      const double all = rel_l2(all_gpu, all_cpu);
+      EXPECT_LE(all, same_routing ? kBf16Grad : kBf16Update) << "the gradients of all parameters";
+      std::printf("  grads    relative L2 diff %.3e, of one tensor up to %.3e (%s)%s\n", all, worst, worst_name.c_str(),
+                  same_routing ? "" : ", with tokens on other experts than on the CPU");
     }
     double cn = cpu_opt.clip_grad_norm(1.0f), gn = NAN;
     ASSERT_TRUE(gpu_opt->clip_grad_norm(1.0f, &gn).is_ok());
