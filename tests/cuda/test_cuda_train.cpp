@@ -149,6 +149,15 @@ class CudaTrain : public ::testing::TestWithParam<Variant> {
     if (!dir_.empty()) fs::remove_all(dir_);
   }
 
+  // A GPU model in dt holding host's weights, and a GPU AdamW with settings a (fresh moments; a resume
+  // then loads them: GpuAdamW::load_state).
+  void upload(const moe::Model& host, DType dt, const AdamWConfig& a, std::unique_ptr<GpuModel>* gpu,
+              std::unique_ptr<GpuAdamW>* opt) {
+    ASSERT_TRUE(GpuModel::create(*ctx_, host.config(), kBatch, dt, gpu).is_ok());
+    ASSERT_TRUE((*gpu)->load_weights(host).is_ok());
+    ASSERT_TRUE(GpuAdamW::create(*ctx_, **gpu, a, opt).is_ok());
+  }
+
   // One training step of the CPU pair; returns the loss.
   double cpu_step(moe::Model& m, AdamW& opt, int64_t step, double* norm = nullptr) {
     std::vector<int32_t> tokens, targets;
@@ -188,11 +197,9 @@ TEST_P(CudaTrain, ThreeStepsMatchTheCpuModelAndOptimizer) {
   cpu.init(7);
   AdamW cpu_opt(cpu.params(), test_adamw());
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::f32, &gpu).is_ok());
-  ASSERT_TRUE(gpu->load_weights(cpu).is_ok());
-  EXPECT_EQ(gpu->num_params(), cpu.num_params());
   std::unique_ptr<GpuAdamW> gpu_opt;
-  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, test_adamw(), &gpu_opt).is_ok());
+  ASSERT_NO_FATAL_FAILURE(upload(cpu, DType::f32, test_adamw(), &gpu, &gpu_opt));
+  EXPECT_EQ(gpu->num_params(), cpu.num_params());
 
   moe::Model check(cfg, kBatch);  // receives the GPU's gradients and weights
   int64_t dropped = 0;
@@ -260,10 +267,8 @@ TEST_P(CudaTrain, CheckpointFromTheGpuResumesOnTheCpuAndOnTheGpu) {
   host.init(11);
   AdamW host_opt(host.params(), test_adamw());
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::f32, &gpu).is_ok());
-  ASSERT_TRUE(gpu->load_weights(host).is_ok());
   std::unique_ptr<GpuAdamW> gpu_opt;
-  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, test_adamw(), &gpu_opt).is_ok());
+  ASSERT_NO_FATAL_FAILURE(upload(host, DType::f32, test_adamw(), &gpu, &gpu_opt));
   for (int64_t step = 0; step < 2; ++step) gpu_step(*gpu, *gpu_opt, step);
   // GPU -> host -> the CPU checkpoint writer.
   ASSERT_TRUE(gpu->store_weights(&host).is_ok());
@@ -290,10 +295,8 @@ TEST_P(CudaTrain, CheckpointFromTheGpuResumesOnTheCpuAndOnTheGpu) {
   AdamW host2_opt(host2.params(), test_adamw());
   ASSERT_TRUE(load_checkpoint(ck, host2.params(), &host2_opt, &state).is_ok());
   std::unique_ptr<GpuModel> gpu2;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::f32, &gpu2).is_ok());
-  ASSERT_TRUE(gpu2->load_weights(host2).is_ok());
   std::unique_ptr<GpuAdamW> gpu2_opt;
-  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu2, test_adamw(), &gpu2_opt).is_ok());
+  ASSERT_NO_FATAL_FAILURE(upload(host2, DType::f32, test_adamw(), &gpu2, &gpu2_opt));
   ASSERT_TRUE(gpu2_opt->load_state(host2_opt).is_ok());
   EXPECT_EQ(gpu2_opt->steps(), 2);
   const double r3 = gpu_step(*gpu2, *gpu2_opt, 2), r4 = gpu_step(*gpu2, *gpu2_opt, 3);
@@ -385,11 +388,9 @@ TEST_P(CudaTrainBf16, ThreeStepsFollowTheCpuModelAtBf16Tolerance) {
   cpu.init(7);
   AdamW cpu_opt(cpu.params(), bf16_adamw());
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &gpu).is_ok());
-  EXPECT_EQ(gpu->dtype(), DType::bf16);
-  ASSERT_TRUE(gpu->load_weights(cpu).is_ok());
   std::unique_ptr<GpuAdamW> gpu_opt;
-  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, bf16_adamw(), &gpu_opt).is_ok());
+  ASSERT_NO_FATAL_FAILURE(upload(cpu, DType::bf16, bf16_adamw(), &gpu, &gpu_opt));
+  EXPECT_EQ(gpu->dtype(), DType::bf16);
   const std::vector<Param*> cp = cpu.params();
   std::vector<std::vector<double>> initial;  // the weights before the steps, per parameter
   for (const Param* p : cp) initial.push_back(values_of(p->value));
@@ -486,10 +487,8 @@ TEST_P(CudaTrainBf16, CheckpointResumesOnTheGpuBitExactlyAndOnTheCpu) {
   host.init(11);
   AdamW host_opt(host.params(), bf16_adamw());
   std::unique_ptr<GpuModel> gpu;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &gpu).is_ok());
-  ASSERT_TRUE(gpu->load_weights(host).is_ok());
   std::unique_ptr<GpuAdamW> gpu_opt;
-  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu, bf16_adamw(), &gpu_opt).is_ok());
+  ASSERT_NO_FATAL_FAILURE(upload(host, DType::bf16, bf16_adamw(), &gpu, &gpu_opt));
   for (int64_t step = 0; step < 2; ++step) gpu_step(*gpu, *gpu_opt, step);
   ASSERT_TRUE(gpu->store_weights(&host).is_ok());
   ASSERT_TRUE(gpu_opt->store_state(&host_opt).is_ok());
@@ -503,10 +502,8 @@ TEST_P(CudaTrainBf16, CheckpointResumesOnTheGpuBitExactlyAndOnTheCpu) {
   nlohmann::json state;
   ASSERT_TRUE(load_checkpoint(ck, host2.params(), &host2_opt, &state).is_ok());
   std::unique_ptr<GpuModel> gpu2;
-  ASSERT_TRUE(GpuModel::create(*ctx_, cfg, kBatch, DType::bf16, &gpu2).is_ok());
-  ASSERT_TRUE(gpu2->load_weights(host2).is_ok());
   std::unique_ptr<GpuAdamW> gpu2_opt;
-  ASSERT_TRUE(GpuAdamW::create(*ctx_, *gpu2, bf16_adamw(), &gpu2_opt).is_ok());
+  ASSERT_NO_FATAL_FAILURE(upload(host2, DType::bf16, bf16_adamw(), &gpu2, &gpu2_opt));
   ASSERT_TRUE(gpu2_opt->load_state(host2_opt).is_ok());
   const double r3 = gpu_step(*gpu2, *gpu2_opt, 2), r4 = gpu_step(*gpu2, *gpu2_opt, 3);
   EXPECT_EQ(r3, g3) << "bf16 GPU resume is not bit-exact";
