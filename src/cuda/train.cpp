@@ -180,19 +180,11 @@ Status train(const TrainConfig& cfg) {
       window_steps = 0;
     }
 
-    const bool last = done == end;
-    if ((cfg.eval_every > 0 && done % cfg.eval_every == 0) || (last && done == cfg.steps)) {
-      const auto e0 = Clock::now();
-      if (Status s = evaluate(*model, ds, B, cfg.eval_batches, &last_val); !s) return s;
-      const double es = std::chrono::duration<double>(Clock::now() - e0).count();
-      say("step %5lld/%lld  validation loss %.4f  (%lld windows, %.1f s)\n", (long long)done, (long long)cfg.steps,
-          last_val, (long long)(cfg.eval_batches * B), es);
-      metrics.write({{"step", done}, {"val_loss", last_val}});
-    }
-    if (!cfg.checkpoint_dir.empty() && ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || last)) {
-      if (Status s = save(done); !s) return s;
-      say("checkpoint: step %lld written to %s\n", (long long)done, cfg.checkpoint_dir.c_str());
-    }
+    if (Status s = evaluate_and_checkpoint(
+            cfg, done, end, cfg.eval_batches * B, true, metrics,
+            [&](double* loss) { return evaluate(*model, ds, B, cfg.eval_batches, loss); }, save, &last_val);
+        !s)
+      return s;
   }
 
   say("%s", training_end_message(cfg, end, last_val, ds.unigram_entropy()).c_str());

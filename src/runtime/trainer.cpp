@@ -539,19 +539,11 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       window_steps = 0;
     }
 
-    const bool last = done == end;
-    if ((cfg.eval_every > 0 && done % cfg.eval_every == 0) || (last && done == cfg.steps)) {
-      auto e0 = Clock::now();
-      if (Status s = evaluate(model, ds, ranks, B, cfg.eval_batches, &last_val); !s) return s;
-      double es = std::chrono::duration<double>(Clock::now() - e0).count();
-      say("step %5lld/%lld  validation loss %.4f  (%lld windows, %.1f s)\n", (long long)done, (long long)cfg.steps,
-          last_val, (long long)(cfg.eval_batches * B), es);
-      metrics.write({{"step", done}, {"val_loss", last_val}});
-    }
-    if (!cfg.checkpoint_dir.empty() && ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || last)) {
-      if (Status s = save(done); !s) return s;
-      say("checkpoint: step %lld written to %s\n", (long long)done, cfg.checkpoint_dir.c_str());
-    }
+    if (Status s = evaluate_and_checkpoint(
+            cfg, done, end, cfg.eval_batches * B, ranks.lead(), metrics,
+            [&](double* loss) { return evaluate(model, ds, ranks, B, cfg.eval_batches, loss); }, save, &last_val);
+        !s)
+      return s;
   }
 
   say("%s", training_end_message(cfg, end, last_val, ds.unigram_entropy()).c_str());
@@ -612,6 +604,31 @@ void MetricsWriter::write(const json& j) {
   if (!out_.is_open()) return;
   out_ << j.dump() << '\n';
   out_.flush();
+}
+
+Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end, int64_t windows, bool speak,
+                               MetricsWriter& metrics, const std::function<Status(double*)>& evaluate,
+                               const std::function<Status(int64_t)>& save, double* last_val) {
+  const bool last = done == end;
+  if ((cfg.eval_every > 0 && done % cfg.eval_every == 0) || (last && done == cfg.steps)) {
+    const auto e0 = Clock::now();
+    if (Status s = evaluate(last_val); !s) return s;
+    const double es = std::chrono::duration<double>(Clock::now() - e0).count();
+    if (speak) {
+      std::printf("step %5lld/%lld  validation loss %.4f  (%lld windows, %.1f s)\n", (long long)done,
+                  (long long)cfg.steps, *last_val, (long long)windows, es);
+      std::fflush(stdout);
+    }
+    metrics.write({{"step", done}, {"val_loss", *last_val}});
+  }
+  if (!cfg.checkpoint_dir.empty() && ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || last)) {
+    if (Status s = save(done); !s) return s;
+    if (speak) {
+      std::printf("checkpoint: step %lld written to %s\n", (long long)done, cfg.checkpoint_dir.c_str());
+      std::fflush(stdout);
+    }
+  }
+  return Status::ok();
 }
 
 std::string training_end_message(const TrainConfig& cfg, int64_t end, double last_val, double h) {
