@@ -44,6 +44,36 @@ TEST(SimNetwork, EqualFlowsOnOneLinkShareItAndEndTogether) {
   }
 }
 
+// Hundreds of flows on links of their own (the event queue grows past its first size while flows
+// are live): every flow ends once, at bytes / bandwidth after its start latency, and each advance()
+// returns the flows due then by ascending id, many at once where end times are equal.
+TEST(SimNetwork, ManyFlowsEndInTimeThenIdOrder) {
+  const int n = 300;
+  std::vector<double> bandwidth(n, 1e9), latency(n, 0);
+  Network net(bandwidth, latency);
+  std::map<double, std::vector<int>> expected;  // end time -> flows, by id
+  for (int i = 0; i < n; ++i) {
+    const double bytes = 1e6 * (1 + (i * 7) % 13);  // 13 distinct sizes: groups of equal end times
+    const double alpha = (i % 3) * 1e-3;            // and start latencies that shift some of them
+    const int id = net.start_flow({i}, bytes, alpha);
+    ASSERT_EQ(id, i);
+    expected[alpha + bytes / 1e9].push_back(id);
+  }
+  std::map<double, std::vector<int>> got;
+  int steps = 0;
+  for (double t = net.next_event_time(); t < kInf; t = net.next_event_time()) {
+    const std::vector<int> ended = net.advance(t);
+    if (!ended.empty()) got[t] = ended;
+    ASSERT_LT(++steps, 10 * n);
+  }
+  EXPECT_EQ(net.live_flows(), 0);
+  ASSERT_EQ(got.size(), expected.size());
+  for (auto g = got.begin(), e = expected.begin(); g != got.end(); ++g, ++e) {
+    EXPECT_NEAR(g->first, e->first, 1e-15);
+    EXPECT_EQ(g->second, e->second) << "at t = " << g->first;
+  }
+}
+
 // A link whose bandwidth changes (CPU lanes, executor.h): flows account their bytes at the old rate
 // and go on at the new one; at 0 they stall; a flow on another link is untouched.
 TEST(SimNetwork, ChangingABandwidthRetimesItsFlows) {

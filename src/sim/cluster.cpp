@@ -614,13 +614,19 @@ void Cluster::pcie_path(int node, int sa, int sb, std::vector<int>* path) const 
 }
 
 std::vector<int> Cluster::route(int a, int b) const {
-  const int na = node_of(a), nb = node_of(b);
   std::vector<int> path;
-  if (a == b) return path;
+  route(a, b, &path);
+  return path;
+}
+
+void Cluster::route(int a, int b, std::vector<int>* out) const {
+  std::vector<int>& path = *out;
+  path.clear();
+  const int na = node_of(a), nb = node_of(b);
+  if (a == b) return;
   const NodeSpec& n = spec_.node;
   const int D = n.devices;
   const int ia = a - na * D, ib = b - nb * D;
-  path.reserve(12);
   if (na == nb) {
     if (n.interconnect == Interconnect::nvlink && local_.dev_to_dev[ia * D + ib] >= 0) {
       path.push_back(global(na, local_.dev_to_dev[ia * D + ib]));
@@ -632,7 +638,7 @@ std::vector<int> Cluster::route(int a, int b) const {
       pcie_path(na, n.device_switch[ia], n.device_switch[ib], &path);
       path.push_back(global(na, local_.sw_to_dev[ib]));
     }
-    return path;
+    return;
   }
   const int ka = nic_of_local_[ia], kb = nic_of_local_[ib];
   path.push_back(global(na, local_.dev_to_sw[ia]));
@@ -648,7 +654,6 @@ std::vector<int> Cluster::route(int a, int b) const {
   path.push_back(global(nb, local_.nic_to_sw[kb]));
   pcie_path(nb, n.nic_switch[kb], n.device_switch[ib], &path);
   path.push_back(global(nb, local_.sw_to_dev[ib]));
-  return path;
 }
 
 double Cluster::path_latency(const std::vector<int>& path) const {

@@ -159,6 +159,8 @@ class Cluster {
   // The directed links a flow from device a to device b crosses, in order (see the header comment).
   // Empty when a == b. REQUIRES: 0 <= a, b < n_devices() (std::logic_error).
   std::vector<int> route(int a, int b) const;
+  // The same into *path (cleared first): reuses its storage, for callers routing many flows.
+  void route(int a, int b, std::vector<int>* path) const;
   // Sum of the latencies / smallest bandwidth of the links of `path` (0 / +inf when empty).
   double path_latency(const std::vector<int>& path) const;
   double path_bandwidth(const std::vector<int>& path) const;

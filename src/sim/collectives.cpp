@@ -386,9 +386,9 @@ int Collectives::start(const CollectiveSpec& spec) {
 void Collectives::launch(int collective, int transfer) {
   const Running& r = running_[collective];
   const Transfer& t = r.transfers[transfer];
-  std::vector<int> path = cluster_.route(r.devices[t.src], r.devices[t.dst]);
-  const double alpha = t.alpha_steps * cluster_.path_latency(path);
-  const int flow = net_.start_flow(std::move(path), t.bytes, alpha, t.weight);
+  cluster_.route(r.devices[t.src], r.devices[t.dst], &route_);
+  const double alpha = t.alpha_steps * cluster_.path_latency(route_);
+  const int flow = net_.start_flow(route_, t.bytes, alpha, t.weight);
   ++transfers_started_;
   if (flow >= static_cast<int>(flow_owner_.size())) flow_owner_.resize(flow + 1, {-1, -1});
   flow_owner_[flow] = {collective, transfer};

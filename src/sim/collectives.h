@@ -175,6 +175,7 @@ class Collectives {
   std::vector<std::pair<int, int>> flow_owner_;  // by flow id: (collective, transfer)
   std::vector<int> finished_now_;                // collectives without transfers, finished at now()
   std::vector<MemberEnded> member_ends_;         // since the last take_member_ends()
+  std::vector<int> route_;                       // launch()'s scratch: the route of the flow it starts
   int64_t transfers_started_ = 0;
 };
 

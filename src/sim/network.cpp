@@ -14,6 +14,9 @@ namespace moe::sim {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// How many flows ahead settle() and advance() prefetch a flow's state: enough to cover a miss to
+// memory at the loops' pace (a guess, not tuned).
+constexpr size_t kPrefetchAhead = 8;
 
 std::vector<double> bandwidths(const Cluster& cluster) {
   std::vector<double> v;
@@ -47,20 +50,20 @@ Network::Network(std::vector<double> bandwidth, std::vector<double> latency) {
   scratch_.assign(links_.size(), LinkScratch{});
 }
 
-int Network::start_flow(std::vector<int> path, double bytes) {
+int Network::start_flow(const std::vector<int>& path, double bytes) {
   double alpha = 0;
   for (int l : path) {
     if (l < 0 || l >= n_links()) throw std::logic_error(str_cat("sim::Network::start_flow: link ", l, " out of range"));
     alpha += links_[l].latency;
   }
-  return start_flow(std::move(path), bytes, alpha);
+  return start_flow(path, bytes, alpha);
 }
 
-int Network::start_flow(std::vector<int> path, double bytes, double alpha) {
-  return start_flow(std::move(path), bytes, alpha, 1.0);
+int Network::start_flow(const std::vector<int>& path, double bytes, double alpha) {
+  return start_flow(path, bytes, alpha, 1.0);
 }
 
-int Network::start_flow(std::vector<int> path, double bytes, double alpha, double weight) {
+int Network::start_flow(const std::vector<int>& path, double bytes, double alpha, double weight) {
   if (!std::isfinite(weight) || !(weight > 0))
     throw std::logic_error(str_cat("sim::Network::start_flow: weight (", weight, ") must be finite and > 0"));
   if (!std::isfinite(bytes) || bytes < 0 || !std::isfinite(alpha) || alpha < 0) {
@@ -126,7 +129,7 @@ void Network::begin_transfer(int id) {
 
 double Network::next_event_time() {
   settle();
-  return events_.empty() ? kInf : events_.top_time();
+  return events_.top_time();
 }
 
 std::vector<int> Network::advance(double t) {
@@ -141,12 +144,24 @@ std::vector<int> Network::advance(double t) {
   // can be taken out at once.
   std::vector<int> ended;
   events_.pop_until(t, &due_);
-  for (const int id : due_) {
+  for (size_t j = 0; j < due_.size(); ++j) {
+    if (j + kPrefetchAhead < due_.size()) {  // as in settle()
+      __builtin_prefetch(&flows_[due_[j + kPrefetchAhead]]);
+      __builtin_prefetch(&hot_[due_[j + kPrefetchAhead]]);
+    }
+    const int id = due_[j];
     Flow& f = flows_[id];
     if (f.transferring) {
+      const double rate = hot_[id].rate;
       for (const Hop& h : path(id)) {
+        // The link's load drops by the flow's rate at once: a link with slack stays out of the next
+        // settle(), which then has nothing to recompute there (settle() overwrites the others' load).
+        LinkState& link = links_[h.link];
+        link.carried += link.load * (now_ - link.load_since);
+        link.load_since = now_;
+        link.load = link.flows.size() == 1 ? 0.0 : link.load - rate;
         // Swap-remove from the link's list; the flow moved into the hole learns its new slot.
-        auto& list = links_[h.link].flows;
+        auto& list = link.flows;
         const auto last = list.back();
         list[h.slot] = last;
         path(last.first)[last.second].slot = h.slot;
@@ -248,10 +263,9 @@ void Network::settle() {
   // ended flows free there lets no flow go faster. (The flows kept outside the region still have
   // their bottleneck links, saturated and unchanged; the region's flows stay at levels >= floor, as
   // their old rates remain feasible; so the result is max-min fair.) A slack link that the region
-  // reaches anyway is recomputed with it; the others only update their load (slack_links_).
+  // reaches anyway is recomputed with it; the others only had their load lowered by advance().
   region_links_.clear();
   region_flows_.clear();
-  slack_links_.clear();
   r_links_.clear();
   r_flows_.clear();
   r_link_flows_.clear();
@@ -266,10 +280,7 @@ void Network::settle() {
   for (int l : dirty_links_) {
     links_[l].dirty = false;
     if (scratch_[l].mark != epoch) {
-      if (floor > 0 && links_[l].load < links_[l].bandwidth * (1 - 1e-9)) {
-        slack_links_.push_back(l);
-        continue;
-      }
+      if (floor > 0 && links_[l].slack) continue;
       add_link(l);
     }
   }
@@ -283,8 +294,8 @@ void Network::settle() {
   Hot* const hot = hot_.data();
   uint64_t* const tag = region_tag_.data();
   const uint64_t in_region = static_cast<uint64_t>(region_epoch_) << 32;
-  std::vector<ShareKey>& heap = share_heap_;
-  heap.clear();
+  std::vector<ShareKey>& keys = share_keys_;
+  keys.clear();
   for (size_t i = 0; i < region_links_.size(); ++i) {
     const int l = region_links_[i];
     double cap = links_[l].bandwidth;
@@ -292,7 +303,16 @@ void Network::settle() {
     int unfixed = 0;
     double unfixed_weight = 0;
     const int begin = static_cast<int>(r_link_flows_.size());
-    for (const auto& [f, hop] : links_[l].flows) {
+    const std::vector<std::pair<int, int>>& list = links_[l].flows;
+    for (size_t j = 0; j < list.size(); ++j) {
+      // The flows' state lies at random ids, far apart: ask for the lines a few flows ahead, so that
+      // their misses overlap instead of stalling the loop one after the other.
+      if (j + kPrefetchAhead < list.size()) {
+        const int ahead = list[j + kPrefetchAhead].first;
+        __builtin_prefetch(&tag[ahead]);
+        __builtin_prefetch(&hot[ahead]);
+      }
+      const int f = list[j].first;
       int index;
       if ((tag[f] & ~uint64_t{0xffffffff}) == in_region) {
         index = static_cast<int>(tag[f] & 0xffffffff);
@@ -318,27 +338,39 @@ void Network::settle() {
       unfixed_weight += r_flows_[index].weight;
     }
     r_links_.push_back({cap, unfixed_weight, frozen_load, unfixed, begin, static_cast<int>(r_link_flows_.size())});
-    if (unfixed > 0) heap.push_back({std::max(0.0, cap / unfixed_weight), l, static_cast<int>(i)});
+    if (unfixed > 0) keys.push_back({std::max(0.0, cap / unfixed_weight), l, static_cast<int>(i)});
   }
 
   // Water-filling over the region, on what the frozen flows leave of each link: repeatedly take the
   // link with the smallest fair share (capacity left over its flows not yet fixed), fix those flows at
   // that share and take it out of the other links they cross. Fixing flows at the smallest share never
-  // lowers another link's share, so a link's key in the heap is a lower bound of its share: a popped
-  // link whose share has grown since is pushed back with it, and a link is processed only when its key
-  // is its share and the smallest (ties by link id). That takes each flow to its max-min rate with one
-  // heap entry per link, not one per update.
-  std::make_heap(heap.begin(), heap.end(), ShareKey::after);
-  while (!heap.empty()) {
-    std::pop_heap(heap.begin(), heap.end(), ShareKey::after);
-    const ShareKey top = heap.back();
-    heap.pop_back();
+  // lowers another link's share, so a link's key is a lower bound of its share: a link taken whose
+  // share has grown since goes back in with it, and a link is processed only when its key is its share
+  // and the smallest (ties by link id). That takes each flow to its max-min rate with one key per link,
+  // not one per update. The keys are sorted once, and those that go back in wait in a heap beside
+  // them: most links' flows are all fixed elsewhere before their turn (4.6 M of the 6.3 M keys of
+  // `moe bench sim`'s 4096-GPU step, and 1.1 M went back in), and a sorted array passes those over
+  // far cheaper than a heap pops them.
+  std::sort(keys.begin(), keys.end(), [](const ShareKey& a, const ShareKey& b) { return ShareKey::before(a, b); });
+  std::vector<ShareKey>& later = share_heap_;
+  const auto heap_order = [](const ShareKey& a, const ShareKey& b) { return ShareKey::before(b, a); };
+  later.clear();
+  size_t next = 0;
+  while (next < keys.size() || !later.empty()) {
+    ShareKey top;
+    if (later.empty() || (next < keys.size() && ShareKey::before(keys[next], later.front()))) {
+      top = keys[next++];
+    } else {
+      std::pop_heap(later.begin(), later.end(), heap_order);
+      top = later.back();
+      later.pop_back();
+    }
     RegionLink& rl = r_links_[top.index];
     if (rl.unfixed == 0) continue;
     const double share = std::max(0.0, rl.cap_left / rl.unfixed_weight);
     if (share != top.share) {
-      heap.push_back({share, top.link, top.index});
-      std::push_heap(heap.begin(), heap.end(), ShareKey::after);
+      later.push_back({share, top.link, top.index});
+      std::push_heap(later.begin(), later.end(), heap_order);
       continue;
     }
     for (int k = rl.flows_begin; k < rl.flows_end; ++k) {
@@ -365,11 +397,14 @@ void Network::settle() {
     link.carried += link.load * (now_ - link.load_since);
     link.load_since = now_;
     link.load = r_links_[i].new_load;
+    link.slack = link.load < link.bandwidth * (1 - 1e-9);
   }
-  // Many new end times at once (a collective's flows start or end together) are cheaper to place by
-  // reordering the whole queue once than by moving each.
-  const bool reorder = region_flows_.size() * 8 > static_cast<size_t>(events_.size());
   for (size_t j = 0; j < region_flows_.size(); ++j) {
+    if (j + kPrefetchAhead < region_flows_.size()) {
+      const int ahead = region_flows_[j + kPrefetchAhead];
+      __builtin_prefetch(&hot[ahead]);
+      __builtin_prefetch(&flows_[ahead]);
+    }
     const int id = region_flows_[j];
     Hot& h = hot[id];
     const double r = r_flows_[j].new_rate;
@@ -379,124 +414,53 @@ void Network::settle() {
     f.updated = now_;
     h.rate = r;
     f.event_time = r > 0 ? now_ + f.bytes_left / r : kInf;
-    if (reorder) {
-      events_.set_unordered(id, f.event_time);
-    } else {
-      events_.set(id, f.event_time);
-    }
-  }
-  if (reorder) events_.reorder();
-  for (int l : slack_links_) {
-    if (scratch_[l].mark == epoch) continue;  // recomputed in the region
-    LinkState& link = links_[l];
-    link.carried += link.load * (now_ - link.load_since);
-    link.load_since = now_;
-    double load = 0;
-    for (const auto& [f, hop] : link.flows) load += hot[f].rate;
-    link.load = load;
+    events_.set(id, f.event_time);
   }
   rates_computed_ += region_flows_.size();
 }
 
-// A 4-ary heap: half the depth of a binary one, and a node's children share a cache line or two.
-void Network::EventQueue::up(size_t i, Entry e) {
-  while (i > 0) {
-    const size_t parent = (i - 1) / 4;
-    if (!less(e, heap_[parent])) break;
-    place(i, heap_[parent]);
-    i = parent;
-  }
-  place(i, e);
-}
-
-void Network::EventQueue::down(size_t i, Entry e) {
-  const size_t n = heap_.size();
-  while (true) {
-    const size_t first = 4 * i + 1;
-    if (first >= n) break;
-    size_t child = first;
-    const size_t end = std::min(first + 4, n);
-    for (size_t c = first + 1; c < end; ++c) {
-      if (less(heap_[c], heap_[child])) child = c;
-    }
-    if (!less(heap_[child], e)) break;
-    place(i, heap_[child]);
-    i = child;
-  }
-  place(i, e);
-}
-
 void Network::EventQueue::set(int flow, double time) {
-  if (flow >= static_cast<int>(pos_.size())) pos_.resize(flow + 1, -1);
-  const Entry e{time, flow};
-  if (pos_[flow] < 0) {
-    heap_.push_back(e);
-    up(heap_.size() - 1, e);
-  } else {
-    const size_t i = static_cast<size_t>(pos_[flow]);
-    if (i > 0 && less(e, heap_[(i - 1) / 4])) {
-      up(i, e);
-    } else {
-      down(i, e);
-    }
+  const size_t leaf = static_cast<size_t>(flow);
+  if (leaf >= n_) {  // grow to a power of two above `flow`, the leaves kept, the inner nodes rebuilt
+    size_t n = std::max<size_t>(n_, 64);
+    while (n <= leaf) n *= 2;
+    std::vector<double> tree(2 * n, kInf);
+    std::copy(tree_.begin() + n_, tree_.end(), tree.begin() + n);
+    for (size_t i = n; i-- > 1;) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
+    tree_.swap(tree);
+    n_ = n;
   }
-}
-
-void Network::EventQueue::set_unordered(int flow, double time) {
-  if (flow >= static_cast<int>(pos_.size())) pos_.resize(flow + 1, -1);
-  if (pos_[flow] < 0) {
-    pos_[flow] = static_cast<int>(heap_.size());
-    heap_.push_back({time, flow});
-  } else {
-    heap_[pos_[flow]].time = time;
-  }
-}
-
-void Network::EventQueue::reorder() {
-  // Floyd's heap construction: sift down every inner node, last first.
-  for (size_t i = heap_.size() / 4 + 1; i-- > 0;) {
-    if (i < heap_.size()) down(i, heap_[i]);
+  size_t i = n_ + leaf;
+  tree_[i] = time;
+  for (i /= 2; i >= 1; i /= 2) {
+    const double m = std::min(tree_[2 * i], tree_[2 * i + 1]);
+    if (m == tree_[i]) break;  // the tree above already holds the right minima
+    tree_[i] = m;
   }
 }
 
 void Network::EventQueue::pop_until(double t, std::vector<int>* out) {
   out->clear();
-  if (heap_.empty() || heap_.front().time > t) return;
-  // The entries with time <= t form a subtree at the root: find them without moving anything.
+  if (n_ == 0 || !(tree_[1] <= t) || !(t < kInf)) return;
+  // Depth first, left child first: the leaves due come out by ascending id. Every inner node entered
+  // has a due leaf below it, so the walk costs about the due leaves times the depth above them.
   taken_.clear();
-  stack_.assign(1, 0);
+  stack_.assign(1, 1);
   while (!stack_.empty()) {
     const size_t i = stack_.back();
     stack_.pop_back();
-    if (heap_[i].time > t) continue;
-    taken_.push_back(heap_[i]);
-    for (size_t c = 4 * i + 1; c < std::min(4 * i + 5, heap_.size()); ++c) stack_.push_back(c);
-  }
-  std::sort(taken_.begin(), taken_.end(), [](const Entry& a, const Entry& b) { return less(a, b); });
-  for (const Entry& e : taken_) out->push_back(e.flow);
-  // Few: pop them one by one. Many: drop them and rebuild the heap from the rest.
-  if (taken_.size() * 8 <= heap_.size()) {
-    for (size_t k = 0; k < taken_.size(); ++k) pop();
-    return;
-  }
-  size_t kept = 0;
-  for (const Entry& e : heap_) {
-    if (e.time > t) {
-      place(kept++, e);
-    } else {
-      pos_[e.flow] = -1;
+    if (!(tree_[i] <= t)) continue;
+    if (i >= n_) {
+      out->push_back(static_cast<int>(i - n_));
+      tree_[i] = kInf;
+      continue;
     }
+    taken_.push_back(i);
+    stack_.push_back(2 * i + 1);
+    stack_.push_back(2 * i);
   }
-  heap_.resize(kept);
-  reorder();
-}
-
-void Network::EventQueue::pop() {
-  pos_[heap_.front().flow] = -1;
-  const Entry last = heap_.back();
-  heap_.pop_back();
-  if (heap_.empty()) return;
-  down(0, last);
+  // Parents were entered before their children: recompute in reverse, children first.
+  for (auto it = taken_.rbegin(); it != taken_.rend(); ++it) tree_[*it] = std::min(tree_[2 * *it], tree_[2 * *it + 1]);
 }
 
 }  // namespace moe::sim

@@ -12,7 +12,7 @@
 // is recomputed, lazily,
 // once for all the changes made at the same simulated time. The result equals recomputing every flow
 // from scratch (up to rounding); tests/test_sim_network.cpp checks it on random flow sets. Cost per
-// event: the region's flows times their path lengths, times a log for the event queue.
+// event: the region's flows times their path lengths, plus a sort of the region's links.
 //
 // Driving it (an executor's loop):
 //   int f = net.start_flow(path, bytes);          // at net.now()
@@ -50,13 +50,13 @@ class Network {
   // latencies. A flow with no bytes or an empty path ends at now() + alpha. Returns its id; the id
   // of an ended flow is reused by a later start_flow. REQUIRES: links in range, no link twice, bytes
   // and alpha finite and >= 0 (std::logic_error).
-  int start_flow(std::vector<int> path, double bytes);
-  int start_flow(std::vector<int> path, double bytes, double alpha);
+  int start_flow(const std::vector<int>& path, double bytes);
+  int start_flow(const std::vector<int>& path, double bytes, double alpha);
   // Weighted: the flow stands for `weight` equal flows (an aggregate of several transfers,
   // collectives.h), so on a shared link it gets `weight` shares of the max-min fair share (weighted
   // max-min fairness: rates are weight times a level that water-filling raises evenly). REQUIRES:
   // weight finite and > 0 (std::logic_error).
-  int start_flow(std::vector<int> path, double bytes, double alpha, double weight);
+  int start_flow(const std::vector<int>& path, double bytes, double alpha, double weight);
 
   // The time of the next event (a flow starting to transfer or ending); +inf when no flow is live.
   double next_event_time();
@@ -118,43 +118,27 @@ class Network {
     double carried = 0;                      // bytes carried up to load_since
     double load_since = 0;
     bool dirty = false;
+    // At the last settle(), whether the link had slack (load below bandwidth, a margin far above
+    // rounding): such a link was no flow's bottleneck (see settle()).
+    bool slack = true;
   };
 
-  // Min-heap of live flows by (event_time, id), indexed by flow id so an entry can move. Entries carry
-  // their time, so comparisons read only the heap.
+  // The live flows' event times, as a tournament tree over flow ids: leaf i holds flow i's time (+inf
+  // when it has none), each inner node the minimum of its two children. A flow's time moves with a
+  // walk up that stops at the first node whose minimum did not change, and the flows due at t come
+  // out of one descent in id order, which is the (time, id) order events are handled in, as every due
+  // time is t.
   class EventQueue {
    public:
-    bool empty() const { return heap_.empty(); }
-    int top() const { return heap_.front().flow; }
-    double top_time() const { return heap_.front().time; }
-    int size() const { return static_cast<int>(heap_.size()); }
-    void set(int flow, double time);  // insert or move
-    void pop();
-    // Takes out every entry with time <= t and appends their flows to `out` in (time, id) order.
+    double top_time() const { return tree_.empty() ? std::numeric_limits<double>::infinity() : tree_[1]; }
+    void set(int flow, double time);  // insert or move; +inf takes it out
+    // Takes out every flow with time <= t (finite) and puts them in `out` by ascending id.
     void pop_until(double t, std::vector<int>* out);
-    // Many moves at once: set_unordered() any number of entries, then reorder() once, O(size) instead
-    // of a log per move; top() and pop() are valid only after reorder().
-    void set_unordered(int flow, double time);
-    void reorder();
 
    private:
-    struct Entry {
-      double time;
-      int flow;
-    };
-    static bool less(const Entry& a, const Entry& b) {
-      return a.time < b.time || (a.time == b.time && a.flow < b.flow);
-    }
-    void up(size_t i, Entry e);
-    void down(size_t i, Entry e);
-    void place(size_t i, const Entry& e) {
-      heap_[i] = e;
-      pos_[e.flow] = static_cast<int>(i);
-    }
-    std::vector<Entry> heap_;
-    std::vector<int> pos_;  // by flow id; -1 when absent
-    std::vector<size_t> stack_;  // pop_until()'s scratch
-    std::vector<Entry> taken_;   // pop_until()'s scratch
+    std::vector<double> tree_;  // [1, 2n): node i has children 2i and 2i+1; flow f is leaf n + f
+    size_t n_ = 0;              // leaves, a power of two (0 before the first set)
+    std::vector<size_t> stack_, taken_;  // pop_until()'s scratch: nodes to visit, inner nodes taken from
   };
 
   void check_flow(const char* fn, int flow) const;
@@ -205,19 +189,18 @@ class Network {
   std::vector<RegionLink> r_links_;
   std::vector<RegionFlow> r_flows_;
   std::vector<int> r_link_flows_, r_flow_links_;
-  // Water-filling's heap entry: a link's fair share, ordered by share, then link id (ties broken by
-  // id, so the order of fixing never depends on anything but the inputs).
+  // Water-filling's key: a link's fair share, ordered by share, then link id (ties broken by id, so
+  // the order of fixing never depends on anything but the inputs).
   struct ShareKey {
     double share;
     int link;
     int index;  // region index
-    // Heap order for std::*_heap: a min-heap on (share, link).
-    static bool after(const ShareKey& a, const ShareKey& b) {
-      return a.share > b.share || (a.share == b.share && a.link > b.link);
+    static bool before(const ShareKey& a, const ShareKey& b) {
+      return a.share < b.share || (a.share == b.share && a.link < b.link);
     }
   };
-  std::vector<ShareKey> share_heap_;
-  std::vector<int> slack_links_;  // dirty links left out of the seeds (settle())
+  std::vector<ShareKey> share_keys_;  // every region link's first key, sorted
+  std::vector<ShareKey> share_heap_;  // keys put back, a min-heap
   std::vector<int> due_;          // advance()'s scratch: the flows with an event at t
   // Since the last settle(): whether a flow started transferring, the smallest level of those that ended.
   bool started_since_settle_ = false;
