@@ -1,8 +1,8 @@
 // moe bench sim-fidelity: see bench.h.
 //
 // Calibrate the simulator on real runs of one configuration on this machine (moe train --ranks 2, the
-// default model, batch 16, EP, 1 thread per rank; src/sim/calibrate.h): 3 runs fitted together, and
-// the first of them alone (the error column "1-run cal"; one run's level moves by up to +-12% from
+// default model, batch 16, EP, 1 thread per rank; src/sim/calibrate.h): one run per round fitted
+// together, and the first of them alone (the error column "1-run cal"; one run's level moves by up to +-12% from
 // run to run here, which shifts every prediction made from it), then predict other configurations
 // and run them for real in the same process:
 //   the calibration configuration again, 4 ranks, batch x2, 16 experts (all on this machine), and
@@ -13,8 +13,8 @@
 // after the first; the configurations run in --repeats rounds (default 5) of one run each,
 // interleaved so that other jobs on the machine weigh on all alike, and each run is predicted with
 // its own load (its metrics file, replayed); the row shows the medians over the runs and error =
-// predicted / measured - 1, and every run's measured time (the machine's noise). The calibration runs
-// are spread over the rounds (the first opens round 1), and nothing is predicted before all runs ended.
+// predicted / measured - 1, and every run's measured time (the machine's noise). A calibration run
+// opens every round, and nothing is predicted before all runs ended.
 //
 // What the predictions use, all from the calibration run or measured facts:
 //   * this machine: the calibrated cluster of CPU ranks sharing its cores (hardware_concurrency): the
@@ -56,7 +56,6 @@ constexpr const char* kCluster = "moefid";
 constexpr const char* kNic = "1gbit";
 constexpr double kNicBits = 1e9;                  // kNic in bits/s
 constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
-constexpr int kCalRuns = 3;                        // runs of the calibration configuration fitted together
 
 std::string first_line(std::string s) {
   if (const size_t nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
@@ -145,9 +144,10 @@ int sim_fidelity(const BenchOptions& opt) {
   ModelConfig base;  // the default model: T 128, C 128, L 4, F 256, E 8, top-2
   const int64_t base_batch = 16;
   const int cal_ranks = 2;
+  const int runs = std::max(1, opt.repeats);
   std::printf("moe bench sim-fidelity: calibrate on %d runs of moe train --ranks %d (default model, batch %lld, %d "
               "thread per rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
-              kCalRuns, cal_ranks, (long long)base_batch, threads, cores);
+              runs, cal_ranks, (long long)base_batch, threads, cores);
   struct Case {
     std::string name;
     int ranks;
@@ -169,28 +169,28 @@ int sim_fidelity(const BenchOptions& opt) {
   const std::string cal_args = common + model_flags(base) + " --batch-size " + std::to_string(base_batch);
 
   // `runs` rounds, each running every configuration once, interleaved so that the machine's other jobs
-  // coming and going weigh on every row alike. The calibration runs are spread over the rounds too
-  // (run j opens round j * runs / kCalRuns): taken all before the rounds, they sampled one stretch of
-  // the machine's load, whose level then shifted every prediction (seen: +9.9% on the calibration
-  // configuration itself). Nothing is predicted before every run has ended.
+  // coming and going weigh on every row alike. A calibration run opens every round: taken all before
+  // the rounds, they sampled one stretch of the machine's load, whose level then shifted every
+  // prediction (seen: +9.9% on the calibration configuration itself), and 3 runs spread over the
+  // rounds still moved it by +-12% when one or two of them met a slow stretch (seen: runs of 149, 160
+  // and 125 ms against a median of 128 ms for the configuration). Nothing is predicted before every
+  // run has ended.
   std::unique_ptr<EmulatedCluster> cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);  // up for the whole bench
   const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
-  const int runs = std::max(1, opt.repeats);
   const size_t n = cases.size();
   std::vector<std::string> cal_runs;
+  std::vector<double> cal_ms;  // their measured step graph times
   std::vector<std::vector<std::string>> metrics(n);  // per configuration, its runs' metrics files
   std::vector<std::vector<double>> measured(n), measured_step(n);
   std::vector<char> failed_case(n, 0);
-  int next_cal = 0;
   for (int k = 0; k < runs; ++k) {
-    for (; next_cal < kCalRuns && next_cal * runs / kCalRuns <= k; ++next_cal) {
-      const fs::path run_dir = dir / str_cat("calibration", next_cal);
-      fs::create_directories(run_dir);
-      const Measured m = train(local_launch(cal_ranks), cal_args, (run_dir / "metrics.jsonl").string(),
-                               (run_dir / "trace.json").string());
-      if (!m.ok) return 1;
-      cal_runs.push_back(run_dir.string());
-    }
+    const fs::path cal_dir = dir / str_cat("calibration", k);
+    fs::create_directories(cal_dir);
+    const Measured cal_run = train(local_launch(cal_ranks), cal_args, (cal_dir / "metrics.jsonl").string(),
+                                   (cal_dir / "trace.json").string());
+    if (!cal_run.ok) return 1;
+    cal_runs.push_back(cal_dir.string());
+    cal_ms.push_back(cal_run.graph_ms);
     for (size_t i = 0; i < n; ++i) {
       if (failed_case[i] || (cases[i].two_hosts && !no_hosts.empty())) continue;
       const std::string file = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
@@ -207,7 +207,7 @@ int sim_fidelity(const BenchOptions& opt) {
   }
   cluster.reset();  // down before the table, whatever comes next
 
-  // The calibration: the kCalRuns runs fitted together (`cal`) and the first alone (`cal1`, the
+  // The calibration: the runs fitted together (`cal`) and the first alone (`cal1`, the
   // issue's "one run"), both shown.
   sim::CalibrationResult cal, cal1;
   for (auto [result, cal_set] : {std::pair{&cal, cal_runs}, std::pair{&cal1, std::vector<std::string>{cal_runs[0]}}}) {
@@ -219,6 +219,9 @@ int sim_fidelity(const BenchOptions& opt) {
   std::fputs(sim::describe(cal).c_str(), stdout);
   std::printf("  (the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s)\n",
               cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
+  std::string cal_all;
+  for (double x : cal_ms) cal_all += str_cat(" ", static_cast<int>(std::lround(x)));
+  std::printf("  the calibration runs measured%s ms (as \"measured ms\" below)\n", cal_all.c_str());
 
   // Every run predicted with its own load (its metrics file, replayed) on its configuration's cluster.
   auto cluster_for = [&](const Case& c, const sim::CalibrationResult& from, sim::ClusterSpec* out) {
