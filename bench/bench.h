@@ -59,7 +59,9 @@ int sim_speed(const BenchOptions& opt);
 // fitted together; and the first alone), predict 4 ranks, a larger batch, more experts and 2 emulated
 // hosts x 1 rank at 1 Gbit/s (scripts/cluster.sh; skipped with the reason without root or namespaces),
 // measure them for real in the same run; predicted vs measured step time, medians over `repeats` real
-// runs of each configuration. Returns the exit code (1 when a real run failed).
+// runs of each configuration, the error on each configuration's fastest run, and per run its rank
+// spread (slowest over fastest rank in attention, the same work on every rank: the host's noise in
+// that run). Returns the exit code (1 when a real run failed).
 int sim_fidelity(const BenchOptions& opt);
 
 // The Hecate paper's setting in the simulator (bench/sim_strategies.cpp): GPT-MoE-S and BERT-MoE

@@ -13,8 +13,12 @@
 // after the first; the configurations run in --repeats rounds (default 5) of one run each,
 // interleaved so that other jobs on the machine weigh on all alike, and each run is predicted with
 // its own load (its metrics file, replayed); the row shows the medians over the runs and error =
-// predicted / measured - 1, and every run's measured time (the machine's noise). A calibration run
-// opens every round, and nothing is predicted before all runs ended.
+// predicted / measured - 1, the error on the configuration's fastest run (the simulator models a
+// machine without other jobs; they only add time), and every run's measured time with its rank spread
+// (the slowest rank's attention time over the fastest's: the same work on every rank, so a spread above
+// the quiet machine's says other jobs slowed a core in that run). A calibration run opens every round,
+// every run records a trace (for the calibration, and for the rank spread), and nothing is predicted
+// before all runs ended.
 //
 // What the predictions use, all from the calibration run or measured facts:
 //   * this machine: the calibrated cluster of CPU ranks sharing its cores (hardware_concurrency): the
@@ -35,6 +39,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -65,16 +70,42 @@ std::string first_line(std::string s) {
 struct Measured {
   double graph_ms = 0;  // compute + exposed comm, mean over ranks, median over steps after the first
   double step_ms = 0;   // the runtime's step_ms (optimizer and metrics included), same steps
+  // The host's noise in this run: the slowest rank's attention time over the fastest's (attn_fwd +
+  // attn_bwd, same steps). Every rank's attention does the same work, so on a quiet machine this is
+  // near 1 (2 ranks: 1.01-1.03); a core that other jobs slow shows here, and the ranks' synchronising
+  // collectives then hold the whole step to that rank's pace.
+  double rank_spread = 0;
   bool ok = false;
 };
 
-// Runs `launch moe train args --metrics metrics [--trace trace]`; returns the medians.
+// Measured::rank_spread from a `moe train --trace` file; 0 when it cannot be read.
+double attention_rank_spread(const std::string& trace) {
+  std::ifstream in(trace);
+  const nlohmann::json t = nlohmann::json::parse(in, nullptr, false);
+  if (t.is_discarded() || !t.contains("traceEvents")) return 0;
+  std::map<int, double> attention_us;  // by rank
+  int64_t first_step = INT64_MAX;
+  for (const nlohmann::json& e : t.at("traceEvents"))
+    if (e.value("ph", "") == "X") first_step = std::min(first_step, e.at("args").value("step", INT64_MAX));
+  for (const nlohmann::json& e : t.at("traceEvents")) {
+    if (e.value("ph", "") != "X") continue;
+    const nlohmann::json& a = e.at("args");
+    const std::string kind = a.value("kind", "");
+    if ((kind == "attn_fwd" || kind == "attn_bwd") && a.value("step", first_step) != first_step)
+      attention_us[e.at("pid").get<int>()] += e.at("dur").get<double>();
+  }
+  if (attention_us.size() < 2) return 0;
+  double lo = INFINITY, hi = 0;
+  for (const auto& [rank, us] : attention_us) lo = std::min(lo, us), hi = std::max(hi, us);
+  return lo > 0 ? hi / lo : 0;
+}
+
+// Runs `launch moe train args --metrics metrics --trace trace`; returns the medians.
 Measured train(const std::string& launch, const std::string& args, const std::string& metrics,
                const std::string& trace) {
   Measured m;
   std::filesystem::remove(metrics);
-  const std::string cmd = launch + " " + self_exe() + " train " + args + " --metrics " + metrics +
-                          (trace.empty() ? "" : " --trace " + trace);
+  const std::string cmd = launch + " " + self_exe() + " train " + args + " --metrics " + metrics + " --trace " + trace;
   const ShellResult r = run_shell(cmd);
   if (r.exit_code != 0) {
     std::fprintf(stderr, "bench sim-fidelity: '%s' failed (exit %d):\n%s", cmd.c_str(), r.exit_code, r.output.c_str());
@@ -92,6 +123,7 @@ Measured train(const std::string& launch, const std::string& args, const std::st
   }
   m.graph_ms = median(graph);
   m.step_ms = median(step);
+  m.rank_spread = attention_rank_spread(trace);
   m.ok = !graph.empty();
   return m;
 }
@@ -120,6 +152,13 @@ Status predict(sim::SimRunConfig cfg, const std::string& metrics, double* ms) {
   if (pred.empty()) pred.push_back(res.steps[0].mean.compute_ms + res.steps[0].mean.exposed_comm_ms);
   *ms = median(pred);
   return Status::ok();
+}
+
+// " 183 (1.03)": a run's measured ms and its rank spread.
+std::string run_cell(double ms, double rank_spread) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, " %ld (%.2f)", std::lround(ms), rank_spread);
+  return buf;
 }
 
 }  // namespace
@@ -179,9 +218,9 @@ int sim_fidelity(const BenchOptions& opt) {
   const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
   const size_t n = cases.size();
   std::vector<std::string> cal_runs;
-  std::vector<double> cal_ms;  // their measured step graph times
+  std::vector<double> cal_ms, cal_spread;  // their measured step graph times and rank spreads
   std::vector<std::vector<std::string>> metrics(n);  // per configuration, its runs' metrics files
-  std::vector<std::vector<double>> measured(n), measured_step(n);
+  std::vector<std::vector<double>> measured(n), measured_step(n), spread(n);
   std::vector<char> failed_case(n, 0);
   for (int k = 0; k < runs; ++k) {
     const fs::path cal_dir = dir / str_cat("calibration", k);
@@ -191,17 +230,19 @@ int sim_fidelity(const BenchOptions& opt) {
     if (!cal_run.ok) return 1;
     cal_runs.push_back(cal_dir.string());
     cal_ms.push_back(cal_run.graph_ms);
+    cal_spread.push_back(cal_run.rank_spread);
     for (size_t i = 0; i < n; ++i) {
       if (failed_case[i] || (cases[i].two_hosts && !no_hosts.empty())) continue;
       const std::string file = (dir / str_cat("case", i, "_", k, ".jsonl")).string();
       const Measured meas = train(cases[i].two_hosts ? cluster->command("run --") : local_launch(cases[i].ranks), args[i],
-                                  file, "");
+                                  file, (dir / str_cat("case", i, "_", k, ".trace.json")).string());
       if (!meas.ok) {
         failed_case[i] = 1;
         continue;
       }
       metrics[i].push_back(file);
       measured[i].push_back(meas.graph_ms), measured_step[i].push_back(meas.step_ms);
+      spread[i].push_back(meas.rank_spread);
     }
     std::fprintf(stderr, "bench sim-fidelity: round %d of %d done\n", k + 1, runs);
   }
@@ -220,8 +261,9 @@ int sim_fidelity(const BenchOptions& opt) {
   std::printf("  (the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s)\n",
               cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
   std::string cal_all;
-  for (double x : cal_ms) cal_all += str_cat(" ", static_cast<int>(std::lround(x)));
-  std::printf("  the calibration runs measured%s ms (as \"measured ms\" below)\n", cal_all.c_str());
+  for (size_t k = 0; k < cal_ms.size(); ++k) cal_all += run_cell(cal_ms[k], cal_spread[k]);
+  std::printf("  the calibration runs measured%s ms (as \"measured ms\" below; in brackets the rank spread)\n",
+              cal_all.c_str());
 
   // Every run predicted with its own load (its metrics file, replayed) on its configuration's cluster.
   auto cluster_for = [&](const Case& c, const sim::CalibrationResult& from, sim::ClusterSpec* out) {
@@ -258,8 +300,8 @@ int sim_fidelity(const BenchOptions& opt) {
     }
   }
 
-  std::printf("\n%-28s %14s %14s %9s %17s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
-              "error (1-run cal)", "measured step ms", "measured ms of each run");
+  std::printf("\n%-28s %13s %12s %8s %17s %16s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
+              "error (1-run cal)", "error vs fastest", "measured step ms", "measured ms (rank spread) of each run");
   int failed = 0;
   for (size_t i = 0; i < n; ++i) {
     const Case& c = cases[i];
@@ -273,15 +315,22 @@ int sim_fidelity(const BenchOptions& opt) {
       continue;
     }
     const double p = median(predicted[i]), meas = median(measured[i]);
+    // The fastest run against its own prediction (each run is predicted with its own load).
+    const size_t fastest = std::min_element(measured[i].begin(), measured[i].end()) - measured[i].begin();
     std::string all;
-    for (double x : measured[i]) all += str_cat(all.empty() ? "" : " ", static_cast<int>(std::lround(x)));
-    std::printf("%-28s %14.2f %14.2f %+8.1f%% %+16.1f%% %16.2f   %s\n", c.name.c_str(), p, meas, 100 * (p / meas - 1),
-                100 * (median(predicted1[i]) / meas - 1), median(measured_step[i]), all.c_str());
+    for (size_t k = 0; k < measured[i].size(); ++k) all += run_cell(measured[i][k], spread[i][k]);
+    std::printf("%-28s %13.2f %12.2f %+7.1f%% %+16.1f%% %+15.1f%% %16.2f  %s\n", c.name.c_str(), p, meas,
+                100 * (p / meas - 1), 100 * (median(predicted1[i]) / meas - 1),
+                100 * (predicted[i][fastest] / measured[i][fastest] - 1), median(measured_step[i]), all.c_str());
   }
   std::printf("\npredicted / measured: the step graph's wall time (compute + exposed comm, mean over ranks), median\n"
               "over steps 2..%d of a run, median over %d runs of the configuration (each predicted with its own\n"
-              "load); measured step ms adds the optimizer and metrics (not in either graph). This machine is shared\n"
-              "with other jobs: runs of one configuration differ by 10-30%% (see the last column).\n",
+              "load); error vs fastest: the configuration's fastest run against its own prediction (the simulator\n"
+              "models a machine without other jobs, and they only add time); measured step ms adds the optimizer and\n"
+              "metrics (not in either graph). Rank spread: the slowest rank's attention time over the fastest's, the\n"
+              "same work on every rank (2 ranks on a quiet machine: 1.01-1.03; 4 ranks on 2 cores, which take turns:\n"
+              "1.1-1.2); above that, other jobs slowed a core in that run. This machine is shared with other jobs:\n"
+              "runs of one configuration differ by 10-30%%.\n",
               steps, std::max(1, opt.repeats));
   return failed ? 1 : 0;
 }
