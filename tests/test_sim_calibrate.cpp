@@ -62,7 +62,7 @@ TEST(SimCalibrate, ComputeRateKeepsTheTotalTime) {
   for (double& x : tl) x += launch;
   const double r = moe::sim::fit_compute_rate(flops, bytes, tl, launch, bw);
   EXPECT_NEAR(r, 14e8 / std::accumulate(t.begin(), t.end(), 0.0), 1e-6 * r);
-  moe::sim::DeviceSpec d{"x", r, bw, launch, 1, 0};
+  moe::sim::DeviceSpec d{"x", r, bw, launch, 1, 0, {}};
   double sum = 0;
   for (size_t i = 0; i < flops.size(); ++i) sum += moe::sim::op_time(d, flops[i], bytes[i]);
   EXPECT_NEAR(sum, std::accumulate(tl.begin(), tl.end(), 0.0), 1e-9);
@@ -87,7 +87,7 @@ CalibrationResult synthetic_result() {
   ClusterSpec& c = cal.cluster;
   c.name = "calibrated";
   c.node.devices = 8;
-  c.node.device = {"calibrated", 50e9, 20e9, 1e-5, 1, 0};
+  c.node.device = {"calibrated", 50e9, 20e9, 1e-5, 1, 0, {}};
   c.node.switch_socket = {0};
   c.node.switch_uplink = {4e9, 0};
   c.node.device_switch.assign(8, 0);
@@ -150,7 +150,8 @@ class SyntheticRun : public ::testing::Test {
 
   // one_core: the two ranks' compute threads shared one core, so ops that ran at once took longer
   // than alone (processor sharing: both at half speed until the shorter ended).
-  void write_run(bool one_core = false) {
+  // attn_speed: attention ops (attn_fwd, attn_bwd) run at that factor of kRate.
+  void write_run(bool one_core = false, double attn_speed = 1) {
     const int P = 2, steps = 3;
     const int64_t batch = 4, N = batch / P * model_.seq_len;
     moe::graph::EpStepOptions opt;
@@ -181,7 +182,9 @@ class SyntheticRun : public ::testing::Test {
               flops = (op.kind == moe::graph::OpKind::expert_fwd ? 1 : 2) * 2 * 2 * double(per_rank[op.layer][r]) *
                       model_.d_model * model_.d_ffn;
             const double bytes = double(op.cost.bytes);
-            alone[r] = kLaunch + (flops > 0 ? std::max(flops / kRate, bytes / kMemBw) : bytes / kMemBw);
+            const bool attention = op.kind == moe::graph::OpKind::attn_fwd || op.kind == moe::graph::OpKind::attn_bwd;
+            const double rate = kRate * (attention ? attn_speed : 1);
+            alone[r] = kLaunch + (flops > 0 ? std::max(flops / rate, bytes / kMemBw) : bytes / kMemBw);
           }
           for (int r = 0; r < P; ++r) {
             const double shorter = std::min(alone[0], alone[1]);
@@ -259,6 +262,26 @@ TEST_F(SyntheticRun, RecoversTheFiguresAndLeavesOutContendedCollectives) {
   EXPECT_NEAR(cal.cluster.node.device_pcie.latency, kAlpha / 2, 1e-12);
   EXPECT_TRUE(cal.cluster.validate());
   EXPECT_NE(moe::sim::describe(cal).find("left out: overlapped compute"), std::string::npos);
+}
+
+// Attention at a quarter of the other kinds' rate: each kind gets its own speed and the op times come
+// out exactly. A kind is pinned down where its ops are compute-bound: attention (at a quarter) and
+// head_bwd; in this tiny model the expert ops are memory-bound, which any rate above the lowest that
+// keeps them so fits (fit_compute_rate then gives that lowest).
+TEST_F(SyntheticRun, EachOpKindGetsItsOwnRate) {
+  write_run(/*one_core=*/false, /*attn_speed=*/0.25);
+  CalibrationResult cal;
+  const moe::Status s = moe::sim::calibrate(dir_.string(), model_, &cal);
+  ASSERT_TRUE(s) << s.message();
+  const moe::sim::DeviceSpec& d = cal.cluster.node.device;
+  EXPECT_LT(d.peak_flops, kRate);  // one rate for all: between the kinds'
+  EXPECT_GT(d.peak_flops, kRate / 4);
+  for (const char* kind : {"attn_fwd", "attn_bwd"}) EXPECT_NEAR(d.peak_flops * kind_speed(d, kind), kRate / 4, 1e-6 * kRate);
+  EXPECT_NEAR(d.peak_flops * kind_speed(d, "head_bwd"), kRate, 1e-6 * kRate);
+  for (const char* kind : {"expert_fwd", "expert_bwd", "head_fwd"}) EXPECT_TRUE(d.op_kind_speed.count(kind)) << kind;
+  EXPECT_LT(cal.compute_model_rms, 1e-8);  // every op's time, with its kind's speed
+  EXPECT_TRUE(cal.cluster.validate());
+  EXPECT_NE(moe::sim::describe(cal).find("per op kind"), std::string::npos) << moe::sim::describe(cal);
 }
 
 // The same run on one core shared by both ranks: reduced to the time alone, the same device; the

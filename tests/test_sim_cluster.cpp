@@ -8,6 +8,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -248,6 +249,32 @@ TEST(SimClusterJson, CpuCoresRoundTripAndStayOutOfAcceleratorClusters) {
   EXPECT_NE(s.message().find("cpu_cores (-1) must be in [0"), std::string::npos) << s.message();
 }
 
+// Per-kind speeds: written only when there are some, read back equal; a kind that is not a compute op
+// kind, or a speed that is not positive, is an error naming it.
+TEST(SimClusterJson, OpKindSpeedsRoundTripAndAreChecked) {
+  ClusterSpec spec = preset("p3dn.24xlarge", 1);
+  EXPECT_FALSE(spec.to_json().at("node").at("device").contains("op_kind_speed"));
+  spec.node.device.op_kind_speed = {{"attn_fwd", 0.625}, {"expert_bwd", 1.5}};
+  const nlohmann::json j = spec.to_json();
+  ClusterSpec back;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(j.dump()), &back));
+  EXPECT_EQ(back, spec);
+  for (const auto& [kind, speed, why] :
+       {std::tuple<const char*, double, const char*>{"dispatch_a2a", 1.0, "not a compute op kind"},
+        {"attn_fwdx", 1.0, "not a compute op kind"},
+        {"attn_fwd", 0.0, "op_kind_speed.attn_fwd"},
+        {"attn_fwd", -2.0, "op_kind_speed.attn_fwd"}}) {
+    nlohmann::json bad = j;
+    bad["node"]["device"]["op_kind_speed"] = {{kind, speed}};
+    const Status s = ClusterSpec::from_json(bad, &back);
+    ASSERT_FALSE(s) << kind << " " << speed;
+    EXPECT_NE(s.message().find(why), std::string::npos) << s.message();
+  }
+  nlohmann::json bad = j;
+  bad["node"]["device"]["op_kind_speed"] = {{"attn_fwd", "fast"}};
+  EXPECT_FALSE(ClusterSpec::from_json(bad, &back));
+}
+
 TEST(SimClusterJson, LoadsAFileAndNamesTheFileInErrors) {
   const std::string path = ::testing::TempDir() + "sim_cluster_test.json";
   {
@@ -357,6 +384,13 @@ TEST(SimCompute, RooflineWithEfficiencyCurveAndLaunchOverhead) {
   EXPECT_DOUBLE_EQ(op_time(d, 1e6, 1e9), 1e-3 + 5e-6);
   EXPECT_DOUBLE_EQ(op_time(d, 0, 0), 5e-6);
   EXPECT_THROW(op_time(d, -1, 0), std::logic_error);
+  // A kind's speed divides the compute term only: attention at 0.5 takes twice the 50 us compute.
+  d.op_kind_speed["attn_fwd"] = 0.5;
+  EXPECT_DOUBLE_EQ(kind_speed(d, "attn_fwd"), 0.5);
+  EXPECT_DOUBLE_EQ(kind_speed(d, "expert_fwd"), 1);
+  EXPECT_DOUBLE_EQ(op_time(d, 3e9, 1e6, kind_speed(d, "attn_fwd")), 100e-6 + 5e-6);
+  EXPECT_DOUBLE_EQ(op_time(d, 1e6, 1e9, 0.5), 1e-3 + 5e-6);  // still memory-bound
+  EXPECT_THROW(op_time(d, 1, 0, 0), std::logic_error);
   d.max_efficiency = 0;
   EXPECT_THROW(op_time(d, 1, 0), std::logic_error);
   // The presets' devices: a 1 TFLOP op on an H100 takes about 1e12 / (989.5e12 * 0.8) = 1.26 ms.

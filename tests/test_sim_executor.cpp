@@ -156,6 +156,20 @@ TEST(SimExecutor, CpuRanksShareTheCoresAmongRunningComputeOps) {
   EXPECT_NEAR(end_s(res, 0, 1), 2.0, kNs);  // the empty exchange ends when its last member arrives
 }
 
+// An op runs at its kind's speed (DeviceSpec::op_kind_speed); kinds the device does not list at 1.
+TEST(SimExecutor, ComputeOpsRunAtTheirKindsSpeed) {
+  DeviceSpec device = unit_device();
+  device.op_kind_speed["attn_fwd"] = 0.25;
+  ClusterSpec spec = star_spec(1, 1e9, 0, device);
+  std::vector<StepGraph> g(1);
+  const int attn = compute(g[0], 1e14);  // 1 s alone at speed 1
+  g[0].ops[attn].kind = OpKind::attn_fwd;
+  compute(g[0], 1e14, {attn});  // custom: not listed
+  const StepResult res = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(res, 0, 0), 4.0, kNs);  // 1 s at full speed, 4 s at a quarter
+  EXPECT_NEAR(end_s(res, 0, 1), 5.0, kNs);
+}
+
 // CPU ranks' lanes get the cores compute leaves: an exchange ready at 0 waits while rank 0 computes
 // on the only core, then both lanes share it (each device link at half its bandwidth).
 TEST(SimExecutor, CpuLanesMoveDataOnTheCoresComputeLeaves) {

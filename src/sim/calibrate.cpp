@@ -323,6 +323,7 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
     }
   };
   std::vector<double> cf, ct, cb, mb, mt;  // FLOP ops: flops, time, bytes; FLOP-less ops: bytes, time
+  std::vector<std::string> ck;             // FLOP ops: kind
   for (const auto& [key, samples] : flop_ops) {
     std::vector<double> f, t;
     for (const auto& [fi, ti] : samples) f.push_back(fi), t.push_back(ti);
@@ -330,7 +331,9 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
     std::sort(t.begin(), t.end());
     cf.push_back(f[f.size() / 2]);
     ct.push_back(t[t.size() / 2]);
-    cb.push_back(static_cast<double>(compute_ops.at(key.first)->cost.bytes));
+    const graph::Op& op = *compute_ops.at(key.first);
+    cb.push_back(static_cast<double>(op.cost.bytes));
+    ck.push_back(graph::op_kind_name(op.kind));
   }
   medians(byte_ops, &mb, &mt);
   if (cf.size() < 2) return Status::error(str_cat("calibrate: ", trace_path, " has too few compute ops to fit"));
@@ -359,9 +362,21 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   d.peak_flops = rate;
   d.max_efficiency = 1;
   d.half_efficiency_flops = 0;
+  // Per kind, the rate at which that kind's ops sum to their measured time, as a factor on the rate.
+  std::map<std::string, std::vector<size_t>> by_kind;
+  for (size_t i = 0; i < ck.size(); ++i) by_kind[ck[i]].push_back(i);
+  for (const auto& [kind, idx] : by_kind) {
+    std::vector<double> f, b, t;
+    for (size_t i : idx) f.push_back(cf[i]), b.push_back(cb[i]), t.push_back(ct[i]);
+    const double kind_rate = fit_compute_rate(f, b, t, launch, mem_bw);
+    if (kind_rate > 0)
+      d.op_kind_speed[kind] = kind_rate / rate;
+    else
+      res.notes.push_back(str_cat(kind, " took less than launch + bytes / memory bandwidth: no speed of its own"));
+  }
   {
     double ss = 0;
-    for (size_t i = 0; i < cf.size(); ++i) ss += std::pow(ct[i] - op_time(d, cf[i], cb[i]), 2);
+    for (size_t i = 0; i < cf.size(); ++i) ss += std::pow(ct[i] - op_time(d, cf[i], cb[i], kind_speed(d, ck[i])), 2);
     res.compute_model_rms = std::sqrt(ss / cf.size());
   }
 
@@ -503,9 +518,15 @@ std::string describe(const CalibrationResult& r) {
   s += str_cat("  collectives (", r.comm_points, ", ", r.comm_contended, " left out: overlapped compute):  alpha ",
                r.alpha * 1e6, " us, bandwidth ", r.bandwidth * 1e-9, " GB/s   (rms ", r.comm_rms * 1e6, " us)\n");
   const DeviceSpec& d = r.cluster.node.device;
-  s += str_cat("  device: rate ", d.peak_flops * 1e-9, " GFLOP/s (keeps the ops' total time; rms ",
-               r.compute_model_rms * 1e6, " us per op), launch ", d.launch_overhead * 1e6, " us, memory ",
-               d.mem_bandwidth * 1e-9, " GB/s\n");
+  s += str_cat("  device: rate ", d.peak_flops * 1e-9, " GFLOP/s (keeps the ops' total time), launch ",
+               d.launch_overhead * 1e6, " us, memory ", d.mem_bandwidth * 1e-9, " GB/s\n");
+  if (!d.op_kind_speed.empty()) {
+    s += "  per op kind, GFLOP/s (each keeps its ops' total time):";
+    for (const auto& [kind, speed] : d.op_kind_speed) s += str_cat(" ", kind, " ", d.peak_flops * speed * 1e-9);
+    s += str_cat("  (rms ", r.compute_model_rms * 1e6, " us per op)\n");
+  } else {
+    s += str_cat("  (rms ", r.compute_model_rms * 1e6, " us per op)\n");
+  }
   if (r.cluster.cpu_cores > 0)
     s += str_cat("  CPU ranks: ", r.cluster.cpu_threads_per_device, " compute thread(s) each on ", r.cluster.cpu_cores,
                  " shared cores (the run's oversubscription ", r.cores_share, "; op times reduced to time alone)\n");

@@ -13,13 +13,16 @@
 //       peak, bytes / mem_bandwidth), sums to the measured time of these ops (fit_compute_rate);
 //       max_efficiency 1, half_efficiency_flops 0. Where no rate can (the FLOP ops ran faster than
 //       launch and memory alone allow: tiny ops), mem_bandwidth becomes 1e15 B/s, then launch 0 (with
-//       notes). One rate for every op kind: the executor times an op from its FLOPs and bytes only,
-//       so the kinds' different rates (on this CPU attention runs at ~30-45 GFLOP/s, the expert GEMMs
-//       at ~80-95) cannot be told apart; the rate keeps the run's total compute and scales every op
-//       in proportion to its FLOPs (within one kind, the expert ops' times are proportional to their
-//       FLOPs: intercepts within +-0.4 ms). The ordinary least squares line t = a + b * flops over
-//       all these ops is reported too (`compute`): its intercept comes from the kinds' different
-//       rates, not from a fixed cost, so it is not used.
+//       notes). Then per op kind the same fit over that kind's ops alone gives its rate, recorded
+//       as op_kind_speed[kind] = kind rate / peak_flops (compute.h): the kinds run at very different
+//       rates (on this CPU attention ~23-34 GFLOP/s, the expert GEMMs ~37-47, the gate ~8), which no
+//       curve of FLOPs can tell apart, while within one kind time is proportional to FLOPs (the
+//       expert ops, whose size varies with the load: intercepts within +-0.4 ms). A kind whose ops
+//       all ran faster than launch + bytes / mem_bandwidth gets no entry (a note); a kind whose ops
+//       are all memory-bound gets the lowest rate that keeps them so. peak_flops stays the rate for
+//       kinds the run did not have. The ordinary least squares line t = a + b * flops over all these
+//       ops is reported too (`compute`): its intercept comes from the kinds' different rates, not
+//       from a fixed cost, so it is not used.
 //   collectives: per instance (step, op; instances of one member are skipped) the transfer time
 //     from the last member's arrival to the first member's end; instances during whose transfer time
 //     a member's compute stream ran are left out (the runtime's lanes poll on the cores that compute:

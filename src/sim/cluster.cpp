@@ -1,5 +1,7 @@
 // ClusterSpec validation and JSON I/O; the link graph and routing of a Cluster (cluster.h).
 #include "sim/cluster.h"
+
+#include "graph/step_graph.h"
 #include "util/str_cat.h"
 
 #include <algorithm>
@@ -32,6 +34,15 @@ Status cluster_error(const std::string& what) {
 }
 
 std::string indexed(const std::string& field, size_t i) { return str_cat(field, "[", i, "]"); }
+
+// A compute op kind's name (graph::op_kind_name of a kind that is not communication).
+bool is_compute_kind_name(std::string_view name) {
+  for (int k = 0; k <= static_cast<int>(graph::OpKind::custom_comm); ++k) {
+    const auto kind = static_cast<graph::OpKind>(k);
+    if (!graph::is_communication(kind) && name == graph::op_kind_name(kind)) return true;
+  }
+  return false;
+}
 
 Status positive(const std::string& field, double v) {
   if (!std::isfinite(v) || v <= 0) return cluster_error(str_cat(field, " (", v, ") must be a finite number > 0"));
@@ -133,6 +144,19 @@ class Reader {
     r.finish();
   }
 
+  // An object of numbers by name (absent and optional: *out unchanged).
+  void numbers_by_name(const char* key, std::map<std::string, double, std::less<>>* out, bool required = true) {
+    const nlohmann::json* v = find(key, required);
+    if (!v) return;
+    if (!v->is_object()) return fail(str_cat(field(key), " must be an object of numbers, got ", describe(*v)));
+    std::map<std::string, double, std::less<>> m;
+    for (const auto& [name, x] : v->items()) {
+      if (!x.is_number()) return fail(str_cat(field(key), ".", name, " must be a number, got ", describe(x)));
+      m[name] = x.get<double>();
+    }
+    *out = std::move(m);
+  }
+
   // A nested object's reader (on an absent optional key, one whose calls do nothing).
   Reader object(const char* key, bool required = true) { return Reader(find(key, required), field(key), st_); }
 
@@ -219,6 +243,11 @@ Status ClusterSpec::validate() const {
     return cluster_error(str_cat("node.device.max_efficiency (", d.max_efficiency, ") must be in (0, 1]"));
   }
   if (!(s = nonnegative("node.device.half_efficiency_flops", d.half_efficiency_flops))) return s;
+  for (const auto& [kind, speed] : d.op_kind_speed) {
+    if (!is_compute_kind_name(kind))
+      return cluster_error(str_cat("node.device.op_kind_speed has \"", kind, "\", which is not a compute op kind"));
+    if (!(s = positive(str_cat("node.device.op_kind_speed.", kind), speed))) return s;
+  }
 
   if (!(s = in_range("node.sockets", n.sockets, 1, kMaxSockets))) return s;
   if (n.sockets > 1) {
@@ -324,6 +353,7 @@ nlohmann::json ClusterSpec::to_json() const {
                            {"launch_overhead", d.launch_overhead},
                            {"max_efficiency", d.max_efficiency},
                            {"half_efficiency_flops", d.half_efficiency_flops}};
+  if (!d.op_kind_speed.empty()) device["op_kind_speed"] = d.op_kind_speed;
   nlohmann::json nj = {{"devices", n.devices},
                        {"device", device},
                        {"sockets", n.sockets},
@@ -373,6 +403,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
       d.number("launch_overhead", &ns.device.launch_overhead);
       d.number("max_efficiency", &ns.device.max_efficiency);
       d.number("half_efficiency_flops", &ns.device.half_efficiency_flops);
+      d.numbers_by_name("op_kind_speed", &ns.device.op_kind_speed, /*required=*/false);
       d.finish();
     }
     n.integer("sockets", &ns.sockets);

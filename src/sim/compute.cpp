@@ -42,13 +42,20 @@ double efficiency(const DeviceSpec& device, double flops) {
   return device.max_efficiency * flops / (flops + device.half_efficiency_flops);
 }
 
-double op_time(const DeviceSpec& device, double flops, double bytes) {
+double kind_speed(const DeviceSpec& device, std::string_view kind) {
+  const auto it = device.op_kind_speed.find(kind);
+  return it == device.op_kind_speed.end() ? 1.0 : it->second;
+}
+
+double op_time(const DeviceSpec& device, double flops, double bytes, double speed) {
   require_amount("sim::op_time", "flops", flops);
   require_amount("sim::op_time", "bytes", bytes);
   require_device("sim::op_time", device);
-  // The affine form of flops / (peak * efficiency(flops)): no 0/0 at flops = 0.
-  const double compute =
-      flops == 0 ? 0.0 : (flops + device.half_efficiency_flops) / (device.peak_flops * device.max_efficiency);
+  if (!(std::isfinite(speed) && speed > 0)) throw std::logic_error("sim::op_time: speed must be finite and > 0");
+  // The affine form of flops / (peak * efficiency(flops) * speed): no 0/0 at flops = 0.
+  const double compute = flops == 0 ? 0.0
+                                    : (flops + device.half_efficiency_flops) /
+                                          (device.peak_flops * device.max_efficiency * speed);
   const double memory = bytes / device.mem_bandwidth;
   return std::max(compute, memory) + device.launch_overhead;
 }

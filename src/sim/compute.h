@@ -1,12 +1,14 @@
 // The simulator's compute model: how long one op takes on one device, from the FLOPs it performs and
-// the bytes it moves through device memory. A roofline with an efficiency curve by op size and a fixed
-// launch overhead; the figures of each device come from the cluster presets (cluster.h) or a cluster
-// file, and the calibration fits them to a real run.
+// the bytes it moves through device memory. A roofline with an efficiency curve by op size, a speed
+// per op kind and a fixed launch overhead; the figures of each device come from the cluster presets
+// (cluster.h) or a cluster file, and the calibration fits them to a real run.
 //
 // Units: FLOPs, bytes, seconds; peaks in FLOP/s and bytes/s. Pure functions, safe from any thread.
 #pragma once
 
+#include <map>
 #include <string>
+#include <string_view>
 
 namespace moe::sim {
 
@@ -18,9 +20,18 @@ struct DeviceSpec {
   double launch_overhead = 0;        // s added to every op: kernel launch and stream synchronisation (>= 0)
   double max_efficiency = 1;         // fraction of peak_flops that large ops reach, in (0, 1]
   double half_efficiency_flops = 0;  // op size (FLOPs) at which efficiency is max_efficiency / 2 (>= 0)
+  // Per compute op kind (graph::op_kind_name: "attn_fwd", "expert_bwd", ...), a factor on the FLOP
+  // rate of that kind's ops (> 0); kinds not listed run at 1. Kernels of different kinds reach
+  // different rates at the same FLOPs (on this CPU attention ~35 GFLOP/s, the expert GEMMs ~90), which
+  // one curve by op size cannot tell apart. The presets list none (datasheets give one peak); a
+  // calibration fits one per kind of the run it reads (calibrate.h).
+  std::map<std::string, double, std::less<>> op_kind_speed;
 
   bool operator==(const DeviceSpec&) const = default;
 };
+
+// The factor op_kind_speed gives ops of `kind`: its entry, else 1.
+double kind_speed(const DeviceSpec& device, std::string_view kind);
 
 // Fraction of peak_flops an op of `flops` FLOPs reaches:
 //   efficiency(f) = max_efficiency * f / (f + half_efficiency_flops).
@@ -32,8 +43,9 @@ struct DeviceSpec {
 double efficiency(const DeviceSpec& device, double flops);
 
 // Seconds for one op: max(compute, memory) + launch_overhead, where compute = flops / (peak_flops *
-// efficiency(flops)) (0 for flops = 0) and memory = bytes / mem_bandwidth (bytes read plus written).
-// REQUIRES: flops, bytes >= 0 and finite; the device's figures as documented above (std::logic_error).
-double op_time(const DeviceSpec& device, double flops, double bytes);
+// efficiency(flops) * speed) (0 for flops = 0) and memory = bytes / mem_bandwidth (bytes read plus
+// written); speed: the op's kind_speed. REQUIRES: flops, bytes >= 0 and finite, speed > 0 and finite;
+// the device's figures as documented above (std::logic_error).
+double op_time(const DeviceSpec& device, double flops, double bytes, double speed = 1);
 
 }  // namespace moe::sim

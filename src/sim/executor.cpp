@@ -257,6 +257,9 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   size_t n_ended = 0;
   const size_t n_total = static_cast<size_t>(R) * n_ops;
   const DeviceSpec& device = cluster_.device();
+  std::vector<double> op_speed(n_ops, 1.0);  // by op id: the device's kind_speed of its kind (the same on every rank)
+  if (!device.op_kind_speed.empty())
+    for (int op = 0; op < n_ops; ++op) op_speed[op] = kind_speed(device, graph::op_kind_name(g0.ops[op].kind));
 
   auto deps_ended = [&](int r, int op) {
     for (int d : g0.ops[op].deps)
@@ -380,7 +383,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     state[at(r, op)] = kRunning;
     t_start[at(r, op)] = now;
     if (o.stream == 0) {
-      const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes));
+      const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes), op_speed[op]);
       if (cpu_cores > 0) {
         progress_sharing(now);
         sharing.push_back({r, op, alone});

@@ -100,11 +100,13 @@ class PlacementStrategy : public SimStrategy {
     for (const graph::Op& op : step_.graph.ops) {
       if (op.kind == OpKind::expert_fwd) balanced_flops = op.cost.flops;
       if (op.kind == OpKind::attn_fwd) {
-        attn_s += op_time(s.device, op.cost.flops, static_cast<double>(op.cost.bytes));
+        attn_s += op_time(s.device, op.cost.flops, static_cast<double>(op.cost.bytes),
+                          kind_speed(s.device, graph::op_kind_name(op.kind)));
         ++n_attn;
       }
     }
-    gemm_rate_ = s.device.peak_flops * efficiency(s.device, std::max(balanced_flops, 1.0));
+    gemm_rate_ = s.device.peak_flops * efficiency(s.device, std::max(balanced_flops, 1.0)) *
+                 kind_speed(s.device, graph::op_kind_name(OpKind::expert_fwd));
     // One token through one expert, forward and backward (3 GEMM passes): Strategy::expert_seconds_per_token.
     expert_seconds_per_token_ = 3 * 2 * mats * static_cast<double>(m.d_model * m.d_ffn) / gemm_rate_;
     // The trainer's t: the mean attn_fwd op time (the compute model gives every rank the same).
