@@ -22,7 +22,7 @@ struct DeviceSpec {
   double half_efficiency_flops = 0;  // op size (FLOPs) at which efficiency is max_efficiency / 2 (>= 0)
   // Per compute op kind (graph::op_kind_name: "attn_fwd", "expert_bwd", ...), a factor on the FLOP
   // rate of that kind's ops (> 0); kinds not listed run at 1. Kernels of different kinds reach
-  // different rates at the same FLOPs (on this CPU attention ~35 GFLOP/s, the expert GEMMs ~90), which
+  // different rates at the same FLOPs (on this CPU attention ~23-34 GFLOP/s, the expert GEMMs ~37-47), which
   // one curve by op size cannot tell apart. The presets list none (datasheets give one peak); a
   // calibration fits one per kind of the run it reads (calibrate.h).
   std::map<std::string, double, std::less<>> op_kind_speed;
