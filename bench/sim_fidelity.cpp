@@ -72,7 +72,7 @@ struct Measured {
   double step_ms = 0;   // the runtime's step_ms (optimizer and metrics included), same steps
   // The host's noise in this run: the slowest rank's attention time over the fastest's (attn_fwd +
   // attn_bwd, same steps). Every rank's attention does the same work, so on a quiet machine this is
-  // near 1 (2 ranks: 1.01-1.03); a core that other jobs slow shows here, and the ranks' synchronising
+  // near 1 (2 ranks: 1.00-1.04); a core that other jobs slow shows here, and the ranks' synchronising
   // collectives then hold the whole step to that rank's pace.
   double rank_spread = 0;
   bool ok = false;
@@ -328,9 +328,9 @@ int sim_fidelity(const BenchOptions& opt) {
               "load); error vs fastest: the configuration's fastest run against its own prediction (the simulator\n"
               "models a machine without other jobs, and they only add time); measured step ms adds the optimizer and\n"
               "metrics (not in either graph). Rank spread: the slowest rank's attention time over the fastest's, the\n"
-              "same work on every rank (2 ranks on a quiet machine: 1.01-1.03; 4 ranks on 2 cores, which take turns:\n"
-              "1.1-1.2); above that, other jobs slowed a core in that run. This machine is shared with other jobs:\n"
-              "runs of one configuration differ by 10-30%%.\n",
+              "same work on every rank (2 ranks on a quiet machine: 1.00-1.04; 4 ranks on 2 cores, which take turns:\n"
+              "1.04-1.25); above that, other jobs slowed a core in that run (both cores slowed alike leave it low).\n"
+              "This machine is shared with other jobs: runs of one configuration differ by 10-30%%.\n",
               steps, std::max(1, opt.repeats));
   return failed ? 1 : 0;
 }
