@@ -153,6 +153,23 @@ TEST_F(CliTest, ResumeUsesTheCheckpointsGemmKernel) {
   EXPECT_NE(resumed.output.find("gemm: openblas (as in checkpoint"), std::string::npos) << resumed.output;
 }
 
+TEST_F(CliTest, UnknownGemmKernelRejected) { expect_rejected(tiny() + "--gemm cublas --steps 2", "gemm 'cublas'"); }
+
+// --gemm names the kernel; a resumed run keeps its checkpoint's unless --gemm says otherwise.
+TEST_F(CliTest, GemmFlagPinsTheKernelAndOverridesTheCheckpoints) {
+  Result first = run_moe("train " + tiny() + "--steps 4 --stop-at-step 2 --gemm openblas --checkpoint-dir " +
+                         (dir_ / "ck").string() + " --metrics " + (dir_ / "m.jsonl").string());
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("gemm: openblas (--gemm openblas)"), std::string::npos) << first.output;
+  EXPECT_NE(read_file(dir_ / "m.jsonl").find("\"gemm\":\"openblas\""), std::string::npos);
+  Result kept = run_moe("train " + tiny() + "--steps 4 --resume " + (dir_ / "ck").string());
+  ASSERT_EQ(kept.exit_code, 0) << kept.output;
+  EXPECT_NE(kept.output.find("gemm: openblas (as in checkpoint"), std::string::npos) << kept.output;
+  Result told = run_moe("train " + tiny() + "--steps 4 --gemm onednn --resume " + (dir_ / "ck").string());
+  ASSERT_EQ(told.exit_code, 0) << told.output;
+  EXPECT_NE(told.output.find("gemm: onednn (--gemm onednn)"), std::string::npos) << told.output;
+}
+
 TEST_F(CliTest, CorruptedCheckpointRejected) {
   Result r = run_moe("train " + tiny() + "--steps 2 --checkpoint-dir " + (dir_ / "ck").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -413,4 +413,36 @@ TEST_F(Distributed, AFailingRankStopsTheJobNamingIt) {
   }
 }
 
+// Same run, same numbers: `moe train --ranks 2 --steps 20 --seed 1` (the default model and corpus, no
+// thread or kernel flag) three times. Rank 0 chooses the GEMM kernel from medians of interleaved
+// timings and every rank uses it, so every run prints the same kernel and the same losses and
+// gradient norms to the last bit (as the metrics file writes doubles: round-trip exact).
+TEST_F(Distributed, SameSeedSameKernelSameLossesBitForBit) {
+  std::vector<std::vector<nlohmann::json>> runs;
+  std::vector<std::string> kernels;
+  for (int i = 0; i < 3; ++i) {
+    const fs::path metrics = dir_ / (std::to_string(i) + ".jsonl");
+    TrainRun r = train(2, "--steps 20 --seed 1 --eval-batches 1 --log-every 10 --metrics " + metrics.string(),
+                       "OMP_NUM_THREADS=");  // no thread request: the ranks size their own threads
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const size_t at = r.output.find("gemm: ");
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    std::printf("  run %d: %s\n", i, line.c_str());
+    kernels.push_back(line.substr(6, line.find(' ', 6) - 6));
+    runs.push_back(step_metrics(metrics));
+    ASSERT_EQ(runs.back().size(), 20u) << metrics;
+  }
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(kernels[i], kernels[0]);
+    for (size_t k = 0; k < runs[0].size(); ++k) {
+      EXPECT_EQ(runs[i][k]["gemm"], runs[0][k]["gemm"]);
+      EXPECT_EQ(runs[i][k]["loss"].get<double>(), runs[0][k]["loss"].get<double>()) << "run " << i << " step " << k + 1;
+      EXPECT_EQ(runs[i][k]["grad_norm"].get<double>(), runs[0][k]["grad_norm"].get<double>())
+          << "run " << i << " step " << k + 1;
+    }
+  }
+  std::printf("  step 20 loss %.17g in all three runs\n", runs[0].back()["loss"].get<double>());
+}
+
 }  // namespace

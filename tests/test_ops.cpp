@@ -303,6 +303,34 @@ TEST(OpsValue, GemmKZeroAndEmpty) {
   EXPECT_TRUE(why.rfind("onednn", 0) == 0 || why.rfind("openblas", 0) == 0) << why;
 }
 
+// The backend choice: OpenBLAS only when clearly faster, so noise around a tie cannot flip it.
+TEST(OpsValue, GemmChoicePrefersOneDnnUnlessOpenBlasIsClearlyFaster) {
+  GemmRates r;
+  r.onednn_gflops = 100;
+  for (double openblas : {50.0, 100.0, 105.0, 109.9}) {
+    r.openblas_gflops = openblas;
+    EXPECT_EQ(pick_gemm_backend(r), "onednn") << openblas;
+  }
+  for (double openblas : {110.1, 130.0}) {
+    r.openblas_gflops = openblas;
+    EXPECT_EQ(pick_gemm_backend(r), "openblas") << openblas;
+  }
+}
+
+TEST(OpsValue, GemmMeasurementTimesBothBackends) {
+  const std::vector<GemmShape> shapes{{false, true, 64, 96, 32}, {true, false, 32, 96, 64}};
+  const GemmRates r = measure_gemm_backends(shapes, 3);
+  std::printf("gemm rates: %s\n", describe_gemm_rates(r).c_str());
+  EXPECT_EQ(r.rounds, 3);
+  EXPECT_GT(r.onednn_gflops, 0);
+  EXPECT_GT(r.openblas_gflops, 0);
+  EXPECT_TRUE(std::isfinite(r.onednn_gflops) && std::isfinite(r.openblas_gflops));
+  EXPECT_FALSE(r.openblas_core.empty());
+  EXPECT_THROW(measure_gemm_backends({}, 3), std::invalid_argument);
+  EXPECT_THROW(measure_gemm_backends(shapes, 0), std::invalid_argument);
+  EXPECT_THROW(measure_gemm_backends({{false, false, 0, 4, 4}}, 1), std::invalid_argument);
+}
+
 // ===================================================================================================
 // linear
 // ===================================================================================================

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "runtime/cpu_threads.h"
 #include "runtime/trainer.h"
 #ifdef MOE_HAVE_CUDA
 #include "cuda/train.h"
@@ -77,6 +78,29 @@ int launch_ranks(const TrainFlags& f) {
   return 1;
 }
 
+// libgomp reads its wait policy once, when it loads: by default a thread that finishes its share of a
+// parallel loop spins ~300k iterations before sleeping. With more compute threads than CPUs those
+// spins take the CPU from the threads they wait for (2 ranks x 2 threads on 2 unbound CPUs: ~15x
+// slower). So when this rank's threads cannot all have a CPU, re-run this same command with
+// OMP_WAIT_POLICY=PASSIVE (unless the user chose a policy), before MPI starts. Passive waits cost
+// ~7% where every thread has its own CPU, hence only then. Returns only if it did not re-run.
+void wait_passively_if_oversubscribed(const TrainFlags& f, const TrainConfig& cfg) {
+  if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT")) return;
+  if (!runtime::plan_threads_before_mpi(runtime::thread_request(cfg.threads)).oversubscribed()) return;
+  char exe[4096];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) return;
+  const std::string self(exe, n);
+  std::vector<std::string> args(f.argv.begin(), f.argv.end());
+  std::vector<char*> c_args;
+  for (std::string& a : args) c_args.push_back(a.data());
+  c_args.push_back(nullptr);
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  std::fflush(stdout);
+  execv(self.c_str(), c_args.data());
+  unsetenv("OMP_WAIT_POLICY");  // could not re-run: go on with the default policy
+}
+
 }  // namespace
 
 CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
@@ -102,7 +126,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--checkpoint-every", &TrainConfig::checkpoint_every, "checkpoint every N steps too");
   bind_flag(c, f, "--resume", &TrainConfig::resume, "resume from checkpoint DIR");
   bind_flag(c, f, "--stop-at-step", &TrainConfig::stop_at_step, "stop at step N with a checkpoint (schedule unchanged)");
-  bind_flag(c, f, "--threads", &TrainConfig::threads, "compute threads per rank (0: the cores shared among ranks)");
+  bind_flag(c, f, "--threads", &TrainConfig::threads, "compute threads per rank (0: OMP_NUM_THREADS if set, else this rank's CPUs shared among the ranks on them)");
   bind_flag(c, f, "--comm-timeout", &TrainConfig::comm_timeout_s,
             "seconds a collective may take before the job stops with an error naming the rank");
   bind_flag(c, f, "--ranks-per-node", &TrainConfig::ranks_per_node,
@@ -125,6 +149,8 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
             "hecate: experts gathered behind attention (-1: from the measured attention time)");
   bind_flag(c, f, "--load-window", &TrainConfig::load_window, "hecate: steps of the load prediction window");
   bind_flag(c, f, "--link-gbs", &TrainConfig::link_gbs, "GB/s the planners assume for moving expert weights");
+  bind_flag(c, f, "--gemm", &TrainConfig::gemm,
+            "GEMM kernel: onednn, openblas, or auto (rank 0 times both; a resumed run keeps its checkpoint's)");
   bind_flag(c, f, "--gemm-gflops", &TrainConfig::gemm_gflops, "GFLOP/s FasterMoE's cost model assumes");
   bind_flag(c, f, "--reshard-every", &TrainConfig::reshard_every,
             "hecate, smartmoe: move expert shards to new owners every N steps (0: never); flexmoe: re-plan at "
@@ -194,6 +220,7 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
     s = Status::error("--device cuda: this moe was built without CUDA (no nvcc when it was configured)");
 #endif
   } else {
+    wait_passively_if_oversubscribed(f, cfg);
     s = run_training(cfg);
   }
   if (!s) {

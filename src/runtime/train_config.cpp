@@ -58,6 +58,8 @@ Status TrainConfig::validate() const {
   if (checkpoint_every < 0) return fail("checkpoint_every must be >= 0");
   if (checkpoint_every > 0 && checkpoint_dir.empty()) return fail("checkpoint_every needs checkpoint_dir");
   if (threads < 0) return fail("threads must be >= 0");
+  if (gemm != "auto" && gemm != "onednn" && gemm != "openblas")
+    return fail("gemm '" + gemm + "' is not one of auto, onednn, openblas");
   if (!(comm_timeout_s > 0)) return fail("comm_timeout_s must be > 0");
   if (ranks_per_node < 0) return fail("ranks_per_node must be >= 0 (0: as MPI finds them)");
   if (allreduce_micro_kb < 0) return fail("allreduce_micro_kb must be >= 0 (0: no micro-ops)");
@@ -122,6 +124,7 @@ json TrainConfig::to_json() const {
               {"resume", resume},
               {"stop_at_step", stop_at_step},
               {"threads", threads},
+              {"gemm", gemm},
               {"comm_timeout_s", comm_timeout_s},
               {"ranks_per_node", ranks_per_node},
               {"allreduce_micro_kb", allreduce_micro_kb},
@@ -147,7 +150,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
   static const char* kKeys[] = {"data", "steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay",
                                 "grad_clip", "beta1", "beta2", "seed", "val_fraction", "log_every", "eval_every",
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
-                                "stop_at_step", "threads", "comm_timeout_s", "ranks_per_node",
+                                "stop_at_step", "threads", "gemm", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
                                 "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops", "reshard_every",
                                 "device", "dtype", "model"};
@@ -168,7 +171,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "checkpoint_dir", &c.checkpoint_dir)) &&
       (s = read_key(j, "checkpoint_every", &c.checkpoint_every)) && (s = read_key(j, "resume", &c.resume)) &&
       (s = read_key(j, "stop_at_step", &c.stop_at_step)) &&
-      (s = read_key(j, "threads", &c.threads)) && (s = read_key(j, "comm_timeout_s", &c.comm_timeout_s)) &&
+      (s = read_key(j, "threads", &c.threads)) && (s = read_key(j, "gemm", &c.gemm)) && (s = read_key(j, "comm_timeout_s", &c.comm_timeout_s)) &&
       (s = read_key(j, "ranks_per_node", &c.ranks_per_node)) &&
       (s = read_key(j, "allreduce_micro_kb", &c.allreduce_micro_kb)) && (s = read_key(j, "trace", &c.trace)) &&
       (s = read_key(j, "trace_steps", &c.trace_steps)) && (s = read_key(j, "strategy", &c.strategy)) &&

@@ -40,7 +40,10 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;   // also every N steps; the final one is always written if dir set
   std::string resume;             // checkpoint directory to resume from
   int64_t stop_at_step = 0;       // stop early at this step (checkpoint written), schedule unchanged; 0 = run to steps
-  int threads = 0;                // OpenMP threads; 0 = all cores (shared among the ranks on a machine)
+  int threads = 0;                // compute threads per rank; 0 = this rank's CPUs (its affinity mask)
+                                  // shared among the ranks whose masks overlap on this machine
+  std::string gemm = "auto";      // GEMM kernel: "onednn", "openblas", or "auto" (rank 0 measures both,
+                                  // every rank uses its choice; a resumed run keeps its checkpoint's)
   double comm_timeout_s = 60;     // a collective not done by then fails, naming the rank and operation
   int ranks_per_node = 0;         // ranks per node for the topology; 0 = as MPI finds them (shared memory)
   int64_t allreduce_micro_kb = 256;  // gradient allreduce micro-op size (KiB); 0 = one op per bucket

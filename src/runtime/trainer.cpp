@@ -26,6 +26,7 @@
 #include "model/data.h"
 #include "model/model.h"
 #include "model/optimizer.h"
+#include "runtime/cpu_threads.h"
 #include "runtime/ep_step_bodies.h"
 #include "runtime/executor.h"
 #include "runtime/sharded_checkpoint.h"
@@ -50,6 +51,7 @@ struct Ranks {
   std::unique_ptr<comm::Communicator> grad_world, grad_dp;
   std::unique_ptr<comm::Communicator> gather;  // the gather lane's (placement strategies)
   comm::Topology topology;
+  runtime::ThreadPlan threads;  // this rank's compute threads (runtime/cpu_threads.h)
   int rank = 0, size = 1;
   bool lead() const { return rank == 0; }
   // Sum over ranks (identity with one rank).
@@ -156,6 +158,37 @@ std::vector<double> per_rank(const std::vector<double>& pairs, size_t i) {
   return out;
 }
 
+// One GEMM kernel for the whole job (the two round differently, so ranks running different kernels
+// would drift apart): --gemm when it names one; else the resumed checkpoint's; else MOE_GEMM; else
+// rank 0 times both on this run's expert shapes (tensor/ops.h: medians of interleaved rounds, oneDNN
+// on near-ties). Rank 0's decision is broadcast and pinned on every rank.
+Status choose_gemm(const TrainConfig& cfg, const json& resumed_state, Ranks& ranks) {
+  std::string name, why;
+  if (cfg.gemm != "auto") {
+    name = cfg.gemm, why = "--gemm " + cfg.gemm;
+  } else if (resumed_state.contains("gemm") && resumed_state["gemm"].is_string()) {
+    name = resumed_state["gemm"].get<std::string>(), why = "as in checkpoint " + cfg.resume;
+  } else if (const char* env = std::getenv("MOE_GEMM"); env && *env) {
+    name = env, why = "forced by MOE_GEMM";
+  } else if (ranks.lead()) {
+    // The six GEMMs of one expert's forward and backward at the balanced rows per expert.
+    const int64_t M = std::max<int64_t>(1, cfg.batch_size * cfg.model.seq_len * cfg.model.top_k / cfg.model.n_experts);
+    const int64_t C = cfg.model.d_model, F = cfg.model.d_ffn;
+    const std::vector<GemmShape> shapes{{false, true, M, F, C},  {false, true, M, C, F},  {false, false, M, F, C},
+                                        {true, false, C, F, M},  {false, false, M, C, F}, {true, false, F, C, M}};
+    const GemmRates rates = measure_gemm_backends(shapes, 7);
+    name = pick_gemm_backend(rates);
+    why = describe_gemm_rates(rates) + " on this run's expert shapes";
+  }
+  if (!name.empty() && name != "onednn" && name != "openblas")
+    return Status::error("gemm: '" + name + "' (" + why + ") is not onednn or openblas");
+  int64_t onednn = name == "onednn";
+  if (ranks.world)
+    if (Status s = ranks.world->broadcast(&onednn, 1, 0); !s) return s;
+  pin_gemm_backend(onednn ? "onednn" : "openblas", ranks.lead() ? why : "rank 0's choice");
+  return Status::ok();
+}
+
 Status train(const TrainConfig& cfg, Ranks& ranks) {
   const int64_t B = cfg.batch_size, T = cfg.model.seq_len;
   if (B % ranks.size != 0)
@@ -216,20 +249,14 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
 
   // ---- resume: everything is checked before anything is written ----
   int64_t start = 0;
+  json resumed_state;
   if (!cfg.resume.empty()) {
     json state;
     if (Status s = runtime::load_sharded_checkpoint(cfg.resume, &opt, &state); !s) return s;
     if (Status s = check_resume(cfg, state, ds.content_hash(), &start); !s) return s;
-    // Continue with the GEMM kernel that wrote the checkpoint (the two backends round differently).
-    if (state.contains("gemm") && state["gemm"].is_string() && !std::getenv("MOE_GEMM"))
-      pin_gemm_backend(state["gemm"].get<std::string>(), "as in checkpoint " + cfg.resume);
+    resumed_state = std::move(state);
   }
-  // Every rank uses rank 0's GEMM backend, so replicas stay bit-identical whatever each measured.
-  if (ranks.world) {
-    int64_t onednn = ranks.lead() ? (gemm_backend_name() == "onednn") : 0;
-    if (Status s = ranks.world->broadcast(&onednn, 1, 0); !s) return s;
-    if (!ranks.lead()) pin_gemm_backend(onednn ? "onednn" : "openblas", "rank 0's choice");
-  }
+  if (Status s = choose_gemm(cfg, resumed_state, ranks); !s) return s;
   const int64_t end = cfg.stop_at_step > 0 ? cfg.stop_at_step : cfg.steps;
   if (end <= start)
     return Status::error("stop_at_step " + std::to_string(end) + " is not after the checkpoint's step " +
@@ -264,8 +291,11 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   } else if (ranks.world) {
     say("strategy: ep\n");
   }
-  say("gemm: %s; %d threads per rank; batch %lld x %lld tokens; %lld steps\n", gemm_backend().c_str(),
-      omp_get_max_threads(), (long long)B, (long long)T, (long long)cfg.steps);
+  say("gemm: %s\n", gemm_backend().c_str());
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  say("threads: %s%s%s\n", ranks.threads.describe().c_str(), wait_policy ? "; OMP_WAIT_POLICY=" : "",
+      wait_policy ? wait_policy : "");
+  say("batch %lld x %lld tokens; %lld steps\n", (long long)B, (long long)T, (long long)cfg.steps);
   if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
 
   // The ranks of rank 0's expert-parallel group each write their part of the checkpoint, rank 0
@@ -502,6 +532,8 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
                    {"dropped", per_layer_dropped},
                    {"tokens_per_expert", per_layer_tokens},
                    {"strategy", cfg.strategy},
+                   {"gemm", gemm_backend_name()},
+                   {"threads", ranks.threads.threads},
                    // per rank: MoE layers' time and expert GEMM time (see above)
                    {"moe_ms_per_rank", per_rank(all_rank_times, 0)},
                    {"expert_ms_per_rank", per_rank(all_rank_times, 1)},
@@ -652,7 +684,7 @@ std::string hex64(uint64_t x) {
 json resume_identity(const TrainConfig& c) {
   json j = c.to_json();
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
-                        "eval_every", "eval_batches", "threads", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
+                        "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
                         "load_window", "link_gbs", "gemm_gflops", "reshard_every", "device", "dtype"})
     j.erase(k);
@@ -695,14 +727,15 @@ Status run_training(const TrainConfig& cfg) {
     ranks.size = ranks.world->size();
     if (ranks.size == 1) ranks.world.reset();  // one rank: the single-process path, no collectives
   }
-  // Threads: as asked, else this machine's cores shared among the ranks placed on it.
-  int threads = cfg.threads;
-  if (threads == 0 && ranks.size > 1) {
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int per_node = local ? std::max(1, std::atoi(local)) : 1;
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / per_node);
+  // Threads: as asked (--threads, else OMP_NUM_THREADS), else this rank's CPUs shared among the ranks
+  // whose CPUs overlap its own.
+  if (Status s = runtime::plan_rank_threads(runtime::thread_request(cfg.threads), ranks.world.get(), &ranks.threads);
+      !s) {
+    if (ranks.size > 1) comm::abort_job(s);
+    return s;
   }
-  if (threads > 0) omp_set_num_threads(threads);
+  omp_set_num_threads(ranks.threads.threads);
+  set_gemm_threads(ranks.threads.threads);
   Status s;
   try {
     s = train(cfg, ranks);

@@ -1,12 +1,16 @@
 // GEMM through a tuned library, with the backend chosen by measurement.
 //
-// Why measure: Debian's OpenBLAS 0.3.21 does not recognise this machine's CPU and silently runs an
-// SSE3 kernel (about 4.6x slower than its AVX-512 one), while oneDNN dispatches on the ISA it finds.
-// On another machine the order may flip, so we time both once per process on an expert-FFN shape
-// and keep the faster. MOE_GEMM=onednn|openblas overrides the choice (for benchmarks and tests).
+// Why measure: Debian's OpenBLAS 0.3.21 does not recognise newer CPUs and silently runs an older
+// kernel (SSE3 or Haswell's, 2-5x slower than the machine allows), while oneDNN dispatches on the ISA
+// it finds. On another machine the order may flip, so both are timed, in interleaved rounds whose
+// medians are compared, and OpenBLAS is kept only when clearly faster (one timing on a busy machine
+// once picked the slower kernel for a whole run). `moe train` decides on rank 0 and pins the choice
+// on every rank (runtime/trainer.cpp); other programs decide lazily on first use.
+// MOE_GEMM=onednn|openblas overrides the lazy choice (for benchmarks and tests).
 #include <cblas.h>
 #include <oneapi/dnnl/dnnl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -54,18 +58,27 @@ void run(Backend b, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alp
     gemm_openblas(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
-// Best-of-3 GFLOP/s of one backend on [M,K] x [K,N]^T, the expert w1 shape of the benchmark layer.
-double measure(Backend b) {
-  const int64_t M = 512, N = 1024, K = 512;
-  std::vector<float> A(M * K, 0.01f), B(N * K, 0.02f), C(M * N);
-  run(b, false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N);  // warm-up
-  double best = 1e30;
-  for (int i = 0; i < 3; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    run(b, false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return 2.0 * M * N * K / best * 1e-9;
+// Seconds one backend takes for the whole list of shapes, repeated until at least min_s has
+// passed (small shapes take microseconds: one pass would time the clock).
+double time_shapes(Backend b, const std::vector<GemmShape>& shapes, std::vector<float>& A, std::vector<float>& B,
+                   std::vector<float>& C, double min_s) {
+  int reps = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  do {
+    for (const GemmShape& g : shapes)
+      run(b, g.trans_a, g.trans_b, g.M, g.N, g.K, 1.0f, A.data(), g.trans_a ? g.M : g.K, B.data(),
+          g.trans_b ? g.K : g.N, 0.0f, C.data(), g.N);
+    ++reps;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } while (elapsed < min_s);
+  return elapsed / reps;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 struct Choice {
@@ -73,7 +86,7 @@ struct Choice {
   std::string why;
 };
 
-// A backend pinned by pin_gemm_backend() (e.g. from a checkpoint) wins over measurement.
+// A backend pinned by pin_gemm_backend() (moe train's choice, a checkpoint's) wins over measurement.
 Choice& pinned() {
   static Choice p;
   return p;
@@ -99,12 +112,12 @@ const Choice& choice() {
       c.why = e + " (forced by MOE_GEMM)";
       return;
     }
-    double onednn = measure(Backend::onednn), openblas = measure(Backend::openblas);
-    c.backend = onednn >= openblas ? Backend::onednn : Backend::openblas;
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "%s (measured onednn %.1f vs openblas/%s %.1f GFLOP/s)",
-                  c.backend == Backend::onednn ? "onednn" : "openblas", onednn, openblas_get_corename(), openblas);
-    c.why = buf;
+    // The expert w1 shape and its two backward partners at the benchmark layer's size.
+    const std::vector<GemmShape> shapes{{false, true, 512, 1024, 512}, {false, false, 512, 512, 1024},
+                                        {true, false, 1024, 512, 512}};
+    const GemmRates rates = measure_gemm_backends(shapes, 5);
+    c.backend = pick_gemm_backend(rates) == "onednn" ? Backend::onednn : Backend::openblas;
+    c.why = pick_gemm_backend(rates) + " (" + describe_gemm_rates(rates) + ")";
   });
   return c;
 }
@@ -125,6 +138,47 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 std::string gemm_backend() { return choice().why; }
 
 std::string gemm_backend_name() { return choice().backend == Backend::onednn ? "onednn" : "openblas"; }
+
+GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds) {
+  if (shapes.empty() || rounds < 1) throw std::invalid_argument("measure_gemm_backends: no shapes or rounds < 1");
+  size_t a = 0, b = 0, c = 0;
+  double flops = 0;
+  for (const GemmShape& g : shapes) {
+    if (g.M < 1 || g.N < 1 || g.K < 1) throw std::invalid_argument("measure_gemm_backends: empty shape");
+    a = std::max(a, static_cast<size_t>(g.M * g.K));
+    b = std::max(b, static_cast<size_t>(g.K * g.N));
+    c = std::max(c, static_cast<size_t>(g.M * g.N));
+    flops += 2.0 * g.M * g.N * g.K;
+  }
+  std::vector<float> A(a, 0.01f), B(b, 0.02f), C(c);
+  // Warm-up: first-touch pages, each library's kernel selection and thread pool.
+  time_shapes(Backend::onednn, shapes, A, B, C, 0);
+  time_shapes(Backend::openblas, shapes, A, B, C, 0);
+  std::vector<double> onednn, openblas;
+  for (int r = 0; r < rounds; ++r) {
+    // Alternate which backend goes first, so neither always meets the same moment of a busy machine.
+    const bool onednn_first = r % 2 == 0;
+    for (int i = 0; i < 2; ++i) {
+      const bool is_onednn = (i == 0) == onednn_first;
+      const double s = time_shapes(is_onednn ? Backend::onednn : Backend::openblas, shapes, A, B, C, 0.004);
+      (is_onednn ? onednn : openblas).push_back(flops / s * 1e-9);
+    }
+  }
+  return {median(onednn), median(openblas), rounds, openblas_get_corename()};
+}
+
+std::string pick_gemm_backend(const GemmRates& r) {
+  return r.openblas_gflops > (1.0 + kGemmSwitchMargin) * r.onednn_gflops ? "openblas" : "onednn";
+}
+
+std::string describe_gemm_rates(const GemmRates& r) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "measured onednn %.1f vs openblas/%s %.1f GFLOP/s, medians of %d interleaved rounds",
+                r.onednn_gflops, r.openblas_core.c_str(), r.openblas_gflops, r.rounds);
+  return buf;
+}
+
+void set_gemm_threads(int threads) { openblas_set_num_threads(std::max(1, threads)); }
 
 void pin_gemm_backend(const std::string& name, const std::string& reason) {
   pinned().backend = parse(name);

@@ -12,16 +12,18 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moe {
 
 // ---- GEMM -----------------------------------------------------------------------------------
 // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, row-major; op(X) = X^T when trans_x.
-// The backend (oneDNN's dnnl_sgemm or OpenBLAS's cblas_sgemm) is chosen once per process by
-// timing both on a representative shape; MOE_GEMM=onednn|openblas forces one.
+// The backend (oneDNN's dnnl_sgemm or OpenBLAS's cblas_sgemm) is the pinned one (pin_gemm_backend:
+// moe train pins one per job), else chosen once per process by measure_gemm_backends on a
+// representative shape; MOE_GEMM=onednn|openblas forces one.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
-// Which backend gemm() uses, and why (e.g. "onednn (measured 101 vs 22 GFLOP/s)").
+// Which backend gemm() uses, and why (e.g. "onednn (measured onednn 101.0 vs openblas/Haswell 22.0 ...)").
 std::string gemm_backend();
 // Just its name: "onednn" or "openblas".
 std::string gemm_backend_name();
@@ -34,6 +36,31 @@ void pin_gemm_backend(const std::string& name, const std::string& reason);
 void gemm_with(const std::string& backend, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                int64_t ldc);
+// OpenBLAS's own thread pool (oneDNN follows OpenMP's omp_set_num_threads). REQUIRES: no gemm() in flight.
+void set_gemm_threads(int threads);
+
+// One GEMM of a measurement: C[M,N] = op(A)[M,K] op(B)[K,N] (shapes as in gemm()).
+struct GemmShape {
+  bool trans_a = false, trans_b = false;
+  int64_t M = 0, N = 0, K = 0;
+};
+// Each backend's rate on a list of shapes, GFLOP/s: the median over `rounds` rounds, each round
+// timing both backends one after the other (which goes first alternates), each for >= 4 ms.
+struct GemmRates {
+  double onednn_gflops = 0, openblas_gflops = 0;
+  int rounds = 0;
+  std::string openblas_core;  // the kernel OpenBLAS runs here ("Haswell", "SkylakeX", ...)
+};
+// Takes about rounds x 10 ms on the calling thread with the current thread counts.
+// REQUIRES: shapes non-empty with M, N, K >= 1 and rounds >= 1 (std::invalid_argument).
+GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds);
+// OpenBLAS wins only when its median beats oneDNN's by more than this share: near-ties, where noise
+// would flip the choice from run to run, go to oneDNN, whose kernel follows the CPU's ISA.
+inline constexpr double kGemmSwitchMargin = 0.10;
+// "onednn" or "openblas" by that rule. Pure.
+std::string pick_gemm_backend(const GemmRates& rates);
+// "measured onednn 180.1 vs openblas/Haswell 88.0 GFLOP/s, medians of 7 interleaved rounds".
+std::string describe_gemm_rates(const GemmRates& rates);
 
 // ---- linear (no bias), PyTorch layout: weight [OC, IC] ------------------------------------
 void linear_forward(float* out /*[N,OC]*/, const float* inp /*[N,IC]*/, const float* weight /*[OC,IC]*/,
