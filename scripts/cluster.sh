@@ -15,6 +15,10 @@
 #   namespaces NAME-head (the fabric: bridge br0, its ports v0..vN-1, address A.B.C.254; mpirun
 #   runs here, like a login node) and NAME-n0..NAME-nN-1 (host i: eth0 = A.B.C.(i+1));
 #   /etc/netns/<ns>/hosts for each (ip netns exec mounts it over /etc/hosts there).
+# CPUs: with at least as many CPUs (in this script's affinity mask) as hosts, each host gets its own
+# equal share (cpuset=HOST:LIST in the state; the rsh agent starts the host's processes under
+# taskset), so an emulated host sees its own cores as a real one does and moe sizes its threads from
+# them. With fewer CPUs than hosts every host shares all of them, and `up` says so.
 # Every interface and address is created inside those namespaces, so the machine's own network is
 # never touched. Caps: an htb class at RATE on both egresses of every host link (eth0 in the host:
 # what it sends; v<i> in the fabric: what it receives), so a host's NIC is full duplex at RATE and
@@ -117,6 +121,37 @@ node_index() {
   echo "$a"
 }
 
+# The CPUs of this script's affinity mask, one per line (taskset prints a list such as 0-3,6,8-9).
+cpu_list() {
+  local list part a b c
+  list=$(taskset -pc $$ | sed 's/.*: //')
+  IFS=, read -ra parts <<< "$list"
+  for part in "${parts[@]}"; do
+    if [[ $part == *-* ]]; then a=${part%-*} b=${part#*-}; for ((c = a; c <= b; ++c)); do echo "$c"; done
+    else echo "$part"; fi
+  done
+}
+
+# Gives host i CPUs [i*per, (i+1)*per) of the mask when there are enough, recording them in the state.
+assign_cpus() {
+  local cpus i per list j
+  command -v taskset >/dev/null || { note "no taskset (util-linux): the hosts share all CPUs"; return 0; }
+  mapfile -t cpus < <(cpu_list)
+  if ((${#cpus[@]} < nodes)); then
+    record cpus_per_host 0
+    note "only ${#cpus[@]} CPU(s) for $nodes hosts: every host shares all of them (moe train runs 1 thread per rank there)"
+    return 0
+  fi
+  per=$((${#cpus[@]} / nodes))
+  record cpus_per_host "$per"
+  for ((i = 0; i < nodes; ++i)); do
+    list=""
+    for ((j = i * per; j < (i + 1) * per; ++j)); do list+="${list:+,}${cpus[j]}"; done
+    record cpuset "$(host_ns "$i"):$list"
+  done
+}
+host_cpus() { state_all cpuset | sed -n "s/^$1://p" | tail -n 1; }
+
 # ---- tc ----
 # htb: one class at the rate on the device's egress. burst/cburst of ~1 ms at the rate (at least
 # 32 KiB) so the token bucket keeps up when the qdisc watchdog fires late on a busy VM; quantum set
@@ -216,13 +251,16 @@ do_up() {
     ip -n "$ns" link set eth0 up
   done
   ip -n "$head_ns" link set br0 up
+  assign_cpus
   # mpirun (in the fabric namespace) waits for every daemon to confirm a job's end; TCP would retry
   # a cut-off daemon for ~15 minutes (tcp_retries2 = 15). Give up after ~3 s (RTO 0.2+0.4+0.8+1.6 s)
   # so a cut host ends the job promptly. Only this namespace's sysctl: ranks' sockets keep the default.
   ip netns exec "$head_ns" sh -c 'echo 3 > /proc/sys/net/ipv4/tcp_retries2'
   shape_all
   trap - EXIT
-  note "up: $nodes nodes x $rpn rank(s) ($head_ns, $(host_ns 0)..$(host_ns $((nodes - 1)))), NIC $nic full duplex, latency $latency, subnet $subnet.0/24"
+  local per
+  per=$(state_get cpus_per_host)
+  note "up: $nodes nodes x $rpn rank(s) ($head_ns, $(host_ns 0)..$(host_ns $((nodes - 1)))), NIC $nic full duplex, latency $latency, subnet $subnet.0/24, $( ((per > 0)) && echo "$per CPU(s) per host" || echo "CPUs shared by all hosts")"
 }
 
 # Kills every process in the namespace: SIGTERM, then SIGKILL whatever is left after 2 s.
@@ -278,7 +316,7 @@ do_status() {
     else
       link=$(ip -n "$head_ns" -o link show "v$i" 2>/dev/null | grep -q 'state UP' && echo up || echo "DOWN (cut)")
       cap=$(ip netns exec "$ns" tc class show dev eth0 2>/dev/null | sed -n 's/.* rate \([^ ]*\) .*/\1/p' | head -1)
-      echo "  $ns: eth0 $subnet.$((i + 1)), link $link, cap ${cap:-none} each way"
+      echo "  $ns: eth0 $subnet.$((i + 1)), link $link, cap ${cap:-none} each way, CPUs $(host_cpus "$ns" | grep . || echo "all (shared)")"
     fi
     procs=$(ip netns pids "$ns" 2>/dev/null | xargs -r ps -o pid=,comm= -p 2>/dev/null | awk '{printf "%s%s(%s)", sep, $2, $1; sep=" "}')
     echo "    running: ${procs:-nothing}"
@@ -350,7 +388,8 @@ do_run() {
   local cores
   cores=$(nproc)
   local mpi=(mpirun --hostfile "$hostfile" -n "$np" --map-by slot
-    # Every emulated host sees all of the machine's cores; binding would pin rank 0 of every host to core 0.
+    # Each host's processes run under its cpuset (the rsh agent's taskset) or, with too few CPUs, on
+    # all of them; Open MPI's own binding would pin rank 0 of every host to the same core.
     --bind-to none
     # ssh's place: enter the host's namespace (and a UTS namespace with its hostname).
     --mca plm_rsh_agent "$AGENT" --mca plm_rsh_no_tree_spawn 1
@@ -365,8 +404,14 @@ do_run() {
   # bidirectional exchange on one connection: measured 95 Mbit/s each way at a 200 Mbit/s cap,
   # 190 Mbit/s with plain send/receive fragments. Keep send/receive unless the user chose otherwise.
   [[ -n ${OMPI_MCA_btl_tcp_flags:-} ]] || mpi+=(--mca btl_tcp_flags send)
-  # No emulated host is oversubscribed, but the machine may be: then idle ranks should yield.
-  ((np > cores)) && mpi+=(--mca mpi_yield_when_idle 1)
+  # More ranks than the CPUs they run on (a host's own, or the machine's when hosts share them):
+  # idle ranks yield, and OpenMP threads forced beyond one per CPU wait passively.
+  local per
+  per=$(state_get cpus_per_host)
+  if { ((${per:-0} > 0)) && ((rpn > per)); } || { ((${per:-0} == 0)) && ((np > cores)); }; then
+    mpi+=(--mca mpi_yield_when_idle 1)
+  fi
+  if ((${per:-0} == 0)) && ((np > cores)) && [[ -z ${OMP_WAIT_POLICY:-} ]]; then export OMP_WAIT_POLICY=PASSIVE; fi
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   # mpirun names a lost daemon by its host, a failed process by its rank: say which is which.
   local map="" r

@@ -9,4 +9,9 @@ host=${1:?usage: rsh-agent.sh HOST COMMAND...}
 shift
 state=${MOE_CLUSTER_STATE:?rsh-agent.sh runs under 'moe cluster run' (MOE_CLUSTER_STATE unset)}
 grep -qx -- "netns=$host" "$state" || { echo "moe cluster: rsh-agent: $host is not a host of $state" >&2; exit 1; }
-exec ip netns exec "$host" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$host" "$*"
+# The host's own CPUs (cluster.sh up records them when the machine has enough): taskset is inherited
+# by Open MPI's daemon there and by every rank it starts.
+cpus=$(sed -n "s/^cpuset=$host://p" "$state" | tail -n 1)
+pin=()
+[[ -n $cpus ]] && pin=(taskset -c "$cpus")
+exec "${pin[@]}" ip netns exec "$host" unshare --uts /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$host" "$*"
