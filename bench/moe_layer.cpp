@@ -1,4 +1,5 @@
 // moe bench moe-layer: see bench.h.
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -63,7 +64,7 @@ void print_row(const Row& r) {
   char tps[16] = "-", gf[16] = "-";
   if (r.tokens_per_s > 0) std::snprintf(tps, sizeof tps, "%.0f", r.tokens_per_s);
   if (r.gflops > 0) std::snprintf(gf, sizeof gf, "%.1f", r.gflops);
-  std::printf("| %-46s | %9.2f | %10s | %8s | %-34s |\n", r.name.c_str(), r.ms, tps, gf, r.note.c_str());
+  std::printf("| %-46s | %9.2f | %10s | %8s | %-40s |\n", r.name.c_str(), r.ms, tps, gf, r.note.c_str());
 }
 
 std::string script_path() {
@@ -71,11 +72,97 @@ std::string script_path() {
   return std::string(MOE_SOURCE_DIR) + "/bench/torch_moe_layer_peer.py";
 }
 
-// Runs the PyTorch peer with OpenBLAS forced to `coretype`; false if it could not run.
+// This CPU's FP32 fused multiply-add peak on `threads` threads, GFLOP/s: independent FMA chains on the
+// widest vectors the build targets (-march=native: 16 lanes with AVX-512, else 8 with AVX2 and FMA),
+// enough chains per thread to cover the FMA units' latency, for ~0.2 s. The ceiling a GEMM kernel
+// can approach here; the GEMM rate below is measured against it.
+double fma_peak_gflops(int threads) {
+#if defined(__AVX512F__)
+  using V = __m512;
+  constexpr int kLanes = 16, kChains = 16;
+  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
+  auto set1 = [](float x) { return _mm512_set1_ps(x); };
+  auto sum = [](V v) {
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    float t = 0;
+    for (float x : f) t += x;
+    return t;
+  };
+#elif defined(__AVX2__) && defined(__FMA__)
+  using V = __m256;
+  constexpr int kLanes = 8, kChains = 12;
+  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
+  auto set1 = [](float x) { return _mm256_set1_ps(x); };
+  auto sum = [](V v) {
+    alignas(32) float f[8];
+    _mm256_store_ps(f, v);
+    return f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];
+  };
+#else
+  return 0;  // no FMA vectors in this build
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  constexpr int64_t kIters = 1 << 22;
+  double best = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    float sink = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      V acc[kChains];
+      for (int i = 0; i < kChains; ++i) acc[i] = set1(1.0f + 1e-3f * i);
+      const V m = set1(0.999999f), a = set1(1e-7f);
+      for (int64_t it = 0; it < kIters; ++it)
+        for (int i = 0; i < kChains; ++i) acc[i] = fma(acc[i], m, a);
+      for (int i = 0; i < kChains; ++i) sink += sum(acc[i]);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (sink == 42.0f) std::printf(" ");  // keeps the chains alive
+    best = std::max(best, 2.0 * kLanes * kChains * kIters * threads / s * 1e-9);
+  }
+  return best;
+#endif
+}
+
+// "AMD EPYC 9B45" from /proc/cpuinfo's first "model name".
+std::string cpu_model() {
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen("/proc/cpuinfo", "r"), std::fclose);
+  char line[512];
+  while (f && std::fgets(line, sizeof line, f.get())) {
+    std::string l(line);
+    if (l.rfind("model name", 0) != 0) continue;
+    std::string m = l.substr(l.find(':') + 2);
+    while (!m.empty() && (m.back() == '\n' || m.back() == ' ')) m.pop_back();
+    return m.substr(0, 34);
+  }
+  return "unknown CPU";
+}
+
+// The OpenBLAS kernels the PyTorch peer is timed with: its own detection (no OPENBLAS_CORETYPE, which
+// some machines set to dodge old detection bugs) and the newest kernels this CPU's ISA runs, so the
+// peer is at its best kernel on whatever CPU the benchmark meets. "" is OpenBLAS's own choice.
+std::vector<std::string> peer_coretypes() {
+  std::vector<std::string> c{""};
+  if (__builtin_cpu_supports("avx512f")) {
+    c.push_back("SkylakeX");
+    if (__builtin_cpu_supports("avx512bf16")) c.push_back("Cooperlake");
+  }
+  if (__builtin_cpu_supports("avx2")) c.insert(c.end(), {"Haswell", "Zen"});
+  return c;
+}
+
+// Runs the PyTorch peer with OpenBLAS's kernel `coretype` ("": as OpenBLAS detects); false if it
+// could not run (a kernel this CPU lacks ends the process with SIGILL).
 bool run_peer(const std::string& coretype, int threads, int repeats, double* fwd_ms, double* fwdbwd_ms) {
-  std::string cmd = "OPENBLAS_CORETYPE=" + coretype + " OMP_NUM_THREADS=" + std::to_string(threads) +
-                    " /usr/bin/python3 " + script_path() + " --threads " + std::to_string(threads) +
-                    " --repeats " + std::to_string(repeats) + " 2>/dev/null";
+  const std::string kernel =
+      coretype.empty() ? "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE" : "env OPENBLAS_CORETYPE=" + coretype;
+  // glibc malloc returns freed blocks above 32 MiB to the OS, so every step of the peer's backward
+  // page-faults its [E,F,C] gradient buffers in again (2.8 s instead of 0.84 s fwd+bwd, measured):
+  // keep freed memory, as the allocators PyTorch's CPU tuning guide recommends do.
+  const std::string malloc_keep = " GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296";
+  std::string cmd = kernel + malloc_keep + " OMP_NUM_THREADS=" + std::to_string(threads) + " /usr/bin/python3 " + script_path() +
+                    " --threads " + std::to_string(threads) + " --repeats " + std::to_string(repeats) + " 2>/dev/null";
   std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), pclose);
   if (!p) return false;
   std::string out;
@@ -111,9 +198,13 @@ int moe_layer(const BenchOptions& opt) {
   int64_t max_rows = *std::max_element(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
   std::printf("routing: %ld rows, expert load max/mean %.2f\n\n", R, max_rows / (double(R) / kE));
 
-  std::printf("| %-46s | %9s | %10s | %8s | %-34s |\n", "measurement", "ms", "tokens/s", "GFLOP/s", "note");
+  std::printf("| %-46s | %9s | %10s | %8s | %-40s |\n", "measurement", "ms", "tokens/s", "GFLOP/s", "note");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(48, '-').c_str(), std::string(11, '-').c_str(),
-              std::string(12, '-').c_str(), std::string(10, '-').c_str(), std::string(36, '-').c_str());
+              std::string(12, '-').c_str(), std::string(10, '-').c_str(), std::string(42, '-').c_str());
+
+  // 0. The CPU's FMA peak: what every other rate is a share of.
+  const double peak = fma_peak_gflops(opt.threads);
+  print_row({"FP32 FMA peak (" + std::to_string(opt.threads) + " threads)", 0, 0, peak, cpu_model()});
 
   // 1. This machine's GEMM rate on the expert shapes (balanced rows per expert), each backend.
   int64_t M = R / kE;
@@ -131,8 +222,10 @@ int moe_layer(const BenchOptions& opt) {
     });
     double rate = gemm_flops / (ms * 1e6);
     if (backend == chosen) gemm_rate = rate;
-    print_row({std::string("GEMM, expert shapes x6, ") + backend, ms, 0, rate,
-               backend == chosen ? "<- chosen; the reference rate" : ""});
+    char note[64];
+    std::snprintf(note, sizeof note, "%s%.0f%% of FMA peak", backend == chosen ? "chosen: the reference; " : "",
+                  100 * rate / peak);
+    print_row({std::string("GEMM, expert shapes x6, ") + backend, ms, 0, rate, note});
   }
 
   // 2. The MoE layer.
@@ -175,16 +268,21 @@ int moe_layer(const BenchOptions& opt) {
   std::snprintf(note, sizeof note, "experts are %.0f%% of layer time", 100 * experts_ms / fwdbwd_ms);
   print_row({"  rest of the layer (router, permute, combine)", fwdbwd_ms - experts_ms, 0, 0, note});
 
-  // 4. The PyTorch peer, at its best of the two AVX-512 OpenBLAS kernels.
+  // 4. The PyTorch peer, at its best of the OpenBLAS kernels this CPU runs.
   if (!opt.skip_torch) {
     double best_fwd = 0, best_fb = 0;
     std::string best_core;
-    for (const char* core : {"SkylakeX", "Cooperlake"}) {
+    for (const std::string& core : peer_coretypes()) {
       double f, fb;
-      if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) continue;
+      const std::string label = core.empty() ? std::string("OpenBLAS's own detection") : "OPENBLAS_CORETYPE=" + core;
+      if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) {
+        std::printf("| %-46s | %9s | %10s | %8s | %-40s |\n", "PyTorch peer fwd+bwd", "-", "-", "-",
+                    (label + ": did not run").c_str());
+        continue;
+      }
       print_row({"PyTorch peer fwd+bwd", fb, kN / (fb * 1e-3), 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6),
-                 std::string("OPENBLAS_CORETYPE=") + core});
-      if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core;
+                 label});
+      if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core.empty() ? "detected" : core;
     }
     if (best_fb == 0) {
       std::printf("\nPyTorch peer could not run (/usr/bin/python3 with torch: scripts/setup.sh --test)\n");
