@@ -191,7 +191,7 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
                 "--calibrate: cores the run's CPU ranks shared (-1: this machine's; 0: accelerators, no sharing)")
       ->check(CLI::Range(-1, 1 << 20));
   c->add_option("--cpu-threads", f->cpu_threads,
-                "--calibrate: the run's compute threads per rank, its --threads (0: cores / ranks, as moe train)")
+                "--calibrate: the run's compute threads per rank, its --threads (0: as its metrics record, else cores / ranks)")
       ->check(CLI::Range(0, 1 << 20));
   return c;
 }

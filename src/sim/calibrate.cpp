@@ -258,7 +258,14 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
       return Status::error(str_cat("calibrate: run ", run_paths[ri], " is not of the configuration of ", run_paths[0],
                                    " (ranks or batch differ): calibrate on runs of one configuration"));
   }
-  if (machine.threads_per_rank == 0) machine.threads_per_rank = std::max(1, machine.cpu_cores / P);
+  // 0: the threads the run itself recorded (moe train writes "threads" in every step's metrics), or
+  // for older runs the cores shared evenly, as moe train then sized them.
+  if (machine.threads_per_rank == 0) {
+    const json& f = metrics.front();
+    machine.threads_per_rank = f.contains("threads") && f["threads"].is_number_integer()
+                                   ? std::max(1, f["threads"].get<int>())
+                                   : std::max(1, machine.cpu_cores / P);
+  }
   graph::EpStepOptions opt;
   opt.world = P;
   opt.ep_size = static_cast<int>(std::gcd<int64_t>(model.n_experts, P));

@@ -86,8 +86,8 @@ struct CalibrationResult {
 // and what is missing (no compute ops, a trace of another model, ...).
 struct CalibrationMachine {
   int cpu_cores = 0;         // > 0: the ranks were CPU processes sharing this many cores; 0: accelerators
-  int threads_per_rank = 1;  // the run's compute threads per rank (moe train --threads); 0: as moe train
-                             // resolves 0, max(1, cpu_cores / ranks)
+  int threads_per_rank = 1;  // the run's compute threads per rank (moe train --threads); 0: as the run
+                             // recorded them (metrics "threads"), else max(1, cpu_cores / ranks)
 };
 Status calibrate(const std::string& run, const ModelConfig& model, CalibrationResult* out,
                  CalibrationMachine machine = {});
