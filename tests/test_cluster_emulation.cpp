@@ -6,6 +6,7 @@
 // end whatever happens (the last test checks that `down` leaves nothing; TearDownTestSuite downs it
 // again, which is a no-op then). The alltoall timing runs this executable as the job's ranks
 // (MOE_CLUSTER_HELPER=alltoall, the helper test at the bottom, which skips itself otherwise).
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +23,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sched.h>
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -194,6 +197,39 @@ TEST_F(ClusterEmulation, TrainingOnTwoHostsEqualsOneProcess) {
               a.back(), b.back());
   // The tolerance of test_distributed.cpp: the same float sums in a different order.
   EXPECT_LT(worst, 2e-4);
+}
+
+// Each emulated host has its own CPUs when the machine has enough (one per host at least), as a real
+// host has: status lists them, and moe train without --threads sizes its threads from them, where it
+// once ran every host's ranks with the whole machine's cores.
+TEST_F(ClusterEmulation, EachHostGetsItsOwnCpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  const int cpus = CPU_COUNT(&set);
+  ShellResult status = run_shell(cl("status"));
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  std::string model = tiny_model();
+  model.replace(model.find("--threads 1 "), 12, "");
+  // No thread request at all (ctest sets OMP_NUM_THREADS for the tests themselves).
+  ShellResult r =
+      run_shell("env -u OMP_NUM_THREADS " + cl("run -- " + std::string(MOE_BIN) + " train" + model + "--steps 2", 120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  if (cpus < 2) {
+    EXPECT_NE(status.output.find("CPUs all (shared)"), std::string::npos) << status.output;
+    EXPECT_NE(r.output.find("threads: 1 per rank (1 CPU in this rank's set, 2 ranks share them)"), std::string::npos)
+        << r.output;
+    return;
+  }
+  const int per = cpus / 2;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(status.output, m, std::regex(cluster_name() + "-n0: .*CPUs ([0-9,]+)")))
+      << status.output;
+  const std::string list = m[1].str();
+  EXPECT_EQ(std::count(list.begin(), list.end(), ',') + 1, per) << status.output;
+  const std::string want = "threads: " + std::to_string(per) + " per rank (" + std::to_string(per) +
+                           (per == 1 ? " CPU" : " CPUs") + " in this rank's set)";
+  EXPECT_NE(r.output.find(want), std::string::npos) << "expected '" << want << "' in:\n" << r.output;
 }
 
 // The capped link is the bottleneck, and only it: an alltoallv across the two hosts takes the time
