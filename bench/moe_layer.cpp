@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -82,27 +83,22 @@ double fma_peak_gflops(int threads) {
   constexpr int kLanes = 16, kChains = 16;
   auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
   auto set1 = [](float x) { return _mm512_set1_ps(x); };
-  auto sum = [](V v) {
-    alignas(64) float f[16];
-    _mm512_store_ps(f, v);
-    float t = 0;
-    for (float x : f) t += x;
-    return t;
-  };
 #elif defined(__AVX2__) && defined(__FMA__)
   using V = __m256;
   constexpr int kLanes = 8, kChains = 12;
   auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
   auto set1 = [](float x) { return _mm256_set1_ps(x); };
-  auto sum = [](V v) {
-    alignas(32) float f[8];
-    _mm256_store_ps(f, v);
-    return f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];
-  };
 #else
   return 0;  // no FMA vectors in this build
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  auto sum = [](V v) {
+    float f[kLanes];
+    std::memcpy(f, &v, sizeof f);
+    float t = 0;
+    for (float x : f) t += x;
+    return t;
+  };
   constexpr int64_t kIters = 1 << 22;
   double best = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
