@@ -11,6 +11,7 @@
 #include "cli/commands.h"
 #include "sim/calibrate.h"
 #include "sim/simulate.h"
+#include "strategy/strategy.h"
 #include "util/str_cat.h"
 
 namespace moe::cli {
@@ -93,7 +94,7 @@ void print_report(const sim::SimRunConfig& cfg, const sim::SimRunResult& res) {
       sparse_mb += 1e-6 * static_cast<double>(s.sparse_bytes) / n;
     }
     std::printf("MoE layers (ms)      mean over ranks %9.3f   busiest rank %9.3f\n", moe, moe_max);
-    if (cfg.strategy != "ep")
+    if (strategy::places_experts(cfg.strategy))
       std::printf("placement (per step) extra replicas %.1f   calibrations %.1f   sparse collectives %.3f MB sent+received\n"
                   "re-sharding          %lld expert shards moved over the run (between steps: not in the step times)\n",
                   replicas, calibrations, sparse_mb, static_cast<long long>(moved));

@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "runtime/cpu_threads.h"
 #include "runtime/trainer.h"
+#include "strategy/strategy.h"
 #ifdef MOE_HAVE_CUDA
 #include "cuda/train.h"
 #endif
@@ -134,8 +135,7 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--allreduce-micro-kb", &TrainConfig::allreduce_micro_kb,
             "gradient allreduce micro-op size in KiB, so all-to-alls overtake it (0: whole buckets)");
   bind_flag(c, f, "--strategy", &TrainConfig::strategy,
-            "where experts live: ep (static), hecate (sparse materialization), fastermoe (shadowing), "
-            "smartmoe (expert swaps), flexmoe (re-planned replicas)");
+            "where experts live: " + strategy::names() + " (--strategy help: one line on each)");
   {
     CLI::Option* o = c->add_flag("--rematerialize", f->cfg.rematerialize,
                                  "hecate: free expert replicas after forward and gather them again for backward");
@@ -194,6 +194,10 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
   }
   for (const Binding& b : bindings())
     if (b.opt->count() > 0) b.apply(f.cfg, &cfg);
+  if (cfg.strategy == "help") {
+    std::printf("moe train --strategy NAME, one of:\n%s", strategy::help().c_str());
+    return 0;
+  }
   if (Status s = cfg.validate(); !s) {
     std::fprintf(stderr, "moe train: %s\n", s.message().c_str());
     return 2;

@@ -23,6 +23,7 @@
 #include "model/optimizer.h"
 #include "runtime/sharded_checkpoint.h"
 #include "runtime/trainer.h"
+#include "strategy/strategy.h"
 
 namespace moe::cuda {
 namespace {
@@ -198,7 +199,7 @@ Status train_on_gpu(const TrainConfig& cfg) {
   if (const int ranks = launched_ranks(); ranks > 1)
     return Status::error("device cuda trains on one GPU with one rank, but this job has " + std::to_string(ranks) +
                          " ranks (run it without mpirun and without --ranks)");
-  if (cfg.strategy != "ep")
+  if (strategy::places_experts(cfg.strategy))
     return Status::error("device cuda trains on one GPU with one rank: strategy must be ep, not " + cfg.strategy);
   if (device_count() == 0) return Status::error("device cuda: " + device_summary(0));  // "no CUDA device: ..."
   try {

@@ -3,9 +3,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+
+#include "graph/ep_builder.h"
+#include "strategy/strategy.h"
 
 namespace moe {
 namespace {
@@ -64,18 +68,24 @@ Status TrainConfig::validate() const {
   if (ranks_per_node < 0) return fail("ranks_per_node must be >= 0 (0: as MPI finds them)");
   if (allreduce_micro_kb < 0) return fail("allreduce_micro_kb must be >= 0 (0: no micro-ops)");
   if (trace_steps < 1) return fail("trace_steps must be >= 1");
-  if (strategy != "ep" && strategy != "hecate" && strategy != "fastermoe" && strategy != "smartmoe" &&
-      strategy != "flexmoe")
-    return fail("strategy '" + strategy + "' is not one of ep, hecate, fastermoe, smartmoe, flexmoe");
+  // What the strategy is and does, from the strategy itself (strategy/strategy.h).
+  std::unique_ptr<strategy::Strategy> probe;
+  strategy::Setup probe_setup;
+  probe_setup.options.rematerialize = true;
+  if (Status s = strategy::make(strategy, probe_setup, &probe); !s) return fail(s.message());
+  graph::EpStepOptions graph_options;
+  graph_options.world = 2;
+  probe->configure(&graph_options);
   if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
   if (device != "cpu" && device != "cuda") return fail("device '" + device + "' is not one of cpu, cuda");
-  if (device == "cuda" && strategy != "ep")
+  if (device == "cuda" && probe->uses_placements())
     return fail("device cuda trains on one GPU with one rank: strategy must be ep, not " + strategy);
   if (device == "cuda" && !trace.empty()) return fail("trace: not written with device cuda (CPU ranks only)");
   if (dtype != "f32" && dtype != "bf16") return fail("dtype '" + dtype + "' is not one of f32, bf16");
   if (dtype == "bf16" && device != "cuda")
     return fail("dtype bf16 needs device cuda (device " + device + " computes and stores in f32 only)");
-  if (rematerialize && strategy != "hecate") return fail("rematerialize applies to strategy hecate only");
+  if (rematerialize && !graph_options.rematerialize)
+    return fail("rematerialize: strategy " + strategy + " does not re-materialize replicas (hecate does)");
   if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");
   if (!(replica_memory_mb >= 0) || !std::isfinite(replica_memory_mb))
     return fail("replica_memory_mb must be >= 0 (0: use replica_slots)");

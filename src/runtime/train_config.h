@@ -49,7 +49,7 @@ struct TrainConfig {
   int64_t allreduce_micro_kb = 256;  // gradient allreduce micro-op size (KiB); 0 = one op per bucket
   std::string trace;              // Chrome trace JSON of the first trace_steps steps, all ranks; empty = none
   int64_t trace_steps = 5;
-  // Where experts live during a step (runtime/strategy.h): "ep" (static expert parallelism),
+  // Where experts live during a step (strategy/strategy.h; --strategy help lists them): "ep" (static expert parallelism),
   // "hecate" (FSSDP: sparse materialization of the predicted-hot experts behind attention, and
   // heterogeneous re-sharding), "fastermoe" (shadow the hottest experts on every rank after the
   // gate), "smartmoe" (swap experts between ranks every reshard_every steps) or "flexmoe" (replicas

@@ -34,6 +34,7 @@
 #include "runtime/strategy.h"
 #include "runtime/trace.h"
 #include "tensor/ops.h"
+#include "util/str_cat.h"
 
 namespace moe {
 namespace {
@@ -283,13 +284,15 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       "per rank per step)\n",
       ranks.size, ranks.groups.ep_size, (long long)(cfg.model.n_experts / ranks.groups.ep_size), ranks.groups.dp_size,
       (long long)Bl, (long long)B);
-  if (ranks.world && strategy.uses_placements()) {
-    const std::string t = cfg.overlap_degree >= 0 ? std::to_string(cfg.overlap_degree) : std::string("from attention time");
-    say("strategy: %s (up to %d extra experts per rank and layer; gathered behind attention: %s%s)\n",
-        cfg.strategy.c_str(), strategy.replica_slots(cfg.model.n_experts, ranks.size), t.c_str(),
-        cfg.rematerialize ? "; re-materialized for backward" : "");
-  } else if (ranks.world) {
-    say("strategy: ep\n");
+  if (ranks.world) {
+    std::string detail;
+    if (strategy.uses_placements() && strategy.replica_slots() > 0)
+      detail = str_cat(" (up to ", strategy.replica_slots(), " extra experts per rank and layer");
+    if (!detail.empty() && strategy.gathers_behind_attention())
+      detail += str_cat("; gathered behind attention: ",
+                        cfg.overlap_degree >= 0 ? std::to_string(cfg.overlap_degree) : "from attention time",
+                        cfg.rematerialize ? "; re-materialized for backward" : "");
+    say("strategy: %s%s\n", cfg.strategy.c_str(), detail.empty() ? "" : (detail + ")").c_str());
   }
   say("gemm: %s\n", gemm_backend().c_str());
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");

@@ -10,6 +10,7 @@
 #include "plan/hecate.h"
 #include "plan/load_predictor.h"
 #include "sim/compute.h"
+#include "strategy/strategy.h"
 #include "util/str_cat.h"
 
 namespace moe::sim {
@@ -55,64 +56,23 @@ plan::LayerPlacement owned_only(const std::vector<int>& owner, int n_ranks) {
   return p;
 }
 
-// The placement strategies over one graph shape, each deciding as runtime::Strategy does
-// (runtime/strategy.cpp), from the same planners:
-//   hecate     before the step Alg. 1 from the predicted loads, after the gate the calibration; every
-//              reshard_every steps Alg. 2 re-shards the owners;
-//   fastermoe  after the gate plan::fastermoe_plan;
-//   smartmoe   no replicas; every reshard_every steps plan::smartmoe_plan over the loads averaged
-//              since (a predictor window of reshard_every steps);
-//   flexmoe    persistent replicas gathered before the gate; after every step plan::flexmoe_plan
-//              (reserved slots: replica_slots, default 1; replan interval: reshard_every, default 50).
+// A placement strategy in the simulator: the decisions are the strategy object's (strategy/strategy.h,
+// the same the trainer runs), fed the simulated loads; this class keeps what the model's MoE layers
+// keep in the runtime (each layer's owners) and turns each step's placements into the graphs' sizes.
 // Owners change between steps (re-sharding); the traffic that moves them happens between the
 // runtime's steps, outside the StepGraph, so it is counted (PlacementStats::experts_moved) but not
 // timed.
 class PlacementStrategy : public SimStrategy {
  public:
-  PlacementStrategy(std::string name, const StrategySetup& s) : name_(std::move(name)), setup_(s) {
-    const ModelConfig& m = s.model;
-    opt_.world = s.ranks;
-    opt_.ep_size = s.ranks;
-    opt_.batch = s.batch_per_rank;
-    opt_.allreduce_micro_bytes = s.allreduce_micro_bytes;
-    // As runtime::Strategy::configure.
-    opt_.gather_before_gate = name_ == "hecate" || name_ == "flexmoe";
-    opt_.rematerialize = name_ == "hecate" && s.placement.rematerialize;
-    opt_.gather_after_gate = name_ == "hecate" || name_ == "fastermoe";
-    step_ = graph::build_ep_step(m, opt_);
+  PlacementStrategy(std::unique_ptr<strategy::Strategy> impl, const StrategySetup& s, const graph::EpStepOptions& opt,
+                    double attn_s)
+      : impl_(std::move(impl)), setup_(s), opt_(opt), step_(graph::build_ep_step(s.model, opt)), attn_s_(attn_s) {
     nodes_.node_of_rank = s.node_of_rank;
-    for (int64_t b = 0; b < m.n_layers; ++b) moe_layers_ += m.is_moe_layer(b) ? 1 : 0;
-    const int E = static_cast<int>(m.n_experts);
-    owners_.assign(std::max(1, moe_layers_), plan::even_placement(E, s.ranks));
-    flex_placement_ = owners_;
-    flex_since_.assign(owners_.size(), 0);
-    reshard_every_ = s.placement.reshard_every >= 0 ? s.placement.reshard_every : (name_ == "flexmoe" ? 50 : 100);
-    if (name_ != "fastermoe") {
-      // SmartMoE averages the loads since its last update: a window of reshard_every steps.
-      const int window = name_ == "smartmoe" ? std::max(1, reshard_every_) : s.placement.load_window;
-      predictor_ = std::make_unique<plan::LoadPredictor>(std::max(1, moe_layers_), E, window);
-    }
-    const double mats = weight_mats(m);
-    expert_bytes_ = static_cast<int64_t>(mats) * m.d_model * m.d_ffn * static_cast<int64_t>(sizeof(float));
-    // The GEMM rate the cost models assume: the device's on the balanced expert_fwd op.
-    double balanced_flops = 0, attn_s = 0;
-    int n_attn = 0;
-    for (const graph::Op& op : step_.graph.ops) {
-      if (op.kind == OpKind::expert_fwd) balanced_flops = op.cost.flops;
-      if (op.kind == OpKind::attn_fwd) {
-        attn_s += op_time(s.device, op.cost.flops, static_cast<double>(op.cost.bytes),
-                          kind_speed(s.device, graph::op_kind_name(op.kind)));
-        ++n_attn;
-      }
-    }
-    gemm_rate_ = s.device.peak_flops * efficiency(s.device, std::max(balanced_flops, 1.0)) *
-                 kind_speed(s.device, graph::op_kind_name(OpKind::expert_fwd));
-    // One token through one expert, forward and backward (3 GEMM passes): Strategy::expert_seconds_per_token.
-    expert_seconds_per_token_ = 3 * 2 * mats * static_cast<double>(m.d_model * m.d_ffn) / gemm_rate_;
-    // The trainer's t: the mean attn_fwd op time (the compute model gives every rank the same).
-    attn_s_ = n_attn ? attn_s / n_attn : 0;
+    int moe_layers = 0;
+    for (int64_t b = 0; b < s.model.n_layers; ++b) moe_layers += s.model.is_moe_layer(b) ? 1 : 0;
+    owners_.assign(std::max(1, moe_layers), plan::even_placement(static_cast<int>(s.model.n_experts), s.ranks));
+    expert_bytes_ = strategy::make_cost_model(s.model, 1, 1).expert_bytes;
     bandwidth_ = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
-    slots_ = s.placement.replica_slots >= 0 ? s.placement.replica_slots : static_cast<int>(m.n_experts / s.ranks);
   }
 
   void step_graphs(const StepLoad& load, std::vector<graph::StepGraph>* out) override {
@@ -124,7 +84,6 @@ class PlacementStrategy : public SimStrategy {
     std::vector<LayerStepPlacement> layers;
     std::vector<std::vector<int64_t>> global(load.size(), std::vector<int64_t>(E, 0));
     stats_ = PlacementStats{};
-    stats_.overlap_degree = name_ == "hecate" ? t : 0;
     for (size_t i = 0; i < load.size(); ++i) {
       std::vector<std::vector<int64_t>> counts(R, std::vector<int64_t>(E, 0));
       for (int r = 0; r < R; ++r)
@@ -132,97 +91,49 @@ class PlacementStrategy : public SimStrategy {
           counts[r][e] = load[i][static_cast<size_t>(r) * E + e];
           global[i][e] += counts[r][e];
         }
+      const int layer = static_cast<int>(i);
       const plan::LayerPlacement& owners = owners_.at(i);
-      plan::LayerPlacement planned = owners, placed = owners;
-      if (name_ == "hecate") {
-        planned = plan::sparse_materialize(owners, predictor_->predict(static_cast<int>(i)), t, slots_, nodes_);
-        const plan::CalibrationModel cm{expert_seconds_per_token_, bandwidth_, expert_bytes_};
-        const plan::Calibration c = plan::calibrate(planned, counts, t, slots_, nodes_, cm);
-        placed = c.gather ? c.placement : planned;
-        stats_.calibrations += c.gather ? 1 : 0;
-      } else if (name_ == "fastermoe") {
-        plan::FasterMoeModel fm;
-        fm.d_model = m.d_model;
-        fm.ffn_ratio = static_cast<double>(m.d_ffn) / static_cast<double>(m.d_model);
-        fm.bytes_per_element = sizeof(float);
-        fm.bandwidth = bandwidth_;
-        fm.gemm_flops = gemm_rate_;
-        placed = plan::fastermoe_plan(owners, counts, fm);
-      } else if (name_ == "flexmoe") {
-        planned = placed = flex_placement_.at(i);
-      }
+      plan::LayerPlacement planned = impl_->before_step(layer, owners, t).value_or(owners);
+      plan::LayerPlacement placed = planned;
+      impl_->after_gate(layer, owners, planned, counts, &placed);
       for (const std::vector<int>& r : placed.replicas) stats_.replicas += static_cast<int64_t>(r.size()) - 1;
       layers.push_back(layer_step_placement(m, opt_, owners, std::move(planned), std::move(placed), nodes_, counts));
     }
+    stats_.calibrations = impl_->take_calibrations();
+    stats_.overlap_degree = impl_->overlap_degree();
     out->assign(R, step_.graph);
     for (int r = 0; r < R; ++r) fill_placement_costs(m, opt_, layers, r, &(*out)[r]);
     schedules_ = sim::sparse_schedules(step_.graph, m, layers);
-    // After the step, as the trainer: the predictor sees the global loads, then re-sharding when due.
-    if (predictor_) predictor_->observe(global);
+    // After the step, as the trainer: the strategy sees the global loads, then re-shards when due.
+    impl_->observe(global);
     ++steps_;
-    stats_.experts_moved = reshard(t);
+    stats_.experts_moved = reshard();
   }
 
   const std::vector<SparseSchedule>& sparse_schedules() const override { return schedules_; }
   PlacementStats placement_stats() const override { return stats_; }
 
  private:
-  // runtime::Strategy::reshard after `steps_` steps; returns the experts whose owner changed.
-  int64_t reshard(int t) {
-    const int R = setup_.ranks;
-    const int n = static_cast<int>(owners_.size());
-    std::vector<std::vector<int>> next(n);
-    for (int i = 0; i < n; ++i) next[i] = owners_[i].owner;
-    if (name_ == "flexmoe") {
-      plan::FlexMoeConfig fc;
-      fc.reserved_slots = setup_.placement.replica_slots >= 0 ? setup_.placement.replica_slots : 1;
-      fc.replan_interval = std::max(1, reshard_every_);
-      fc.expert_seconds_per_token = expert_seconds_per_token_;
-      fc.expert_state_bytes = 3 * expert_bytes_;  // weights + Adam's two moments
-      fc.bandwidth = bandwidth_;
-      for (int i = 0; i < n; ++i) {
-        ++flex_since_[i];
-        const plan::FlexMoePlan p = plan::flexmoe_plan(flex_placement_[i], predictor_->predict(i), flex_since_[i], fc);
-        if (!p.replanned) continue;
-        flex_since_[i] = 0;
-        flex_placement_[i] = p.placement;
-        next[i] = p.placement.owner;
-      }
-    } else if ((name_ == "hecate" || name_ == "smartmoe") && reshard_every_ > 0 && steps_ % reshard_every_ == 0) {
-      std::vector<std::vector<double>> loads;
-      for (int i = 0; i < n; ++i) loads.push_back(predictor_->predict(i));
-      if (name_ == "hecate") {
-        next = plan::heterogeneous_sharding(loads, t, nodes_);
-      } else {
-        for (int i = 0; i < n; ++i)
-          next[i] = plan::smartmoe_plan(owners_[i].owner, R, loads[i], reshard_every_,
-                                        plan::SmartMoeConfig{reshard_every_})
-                        .owner;
-      }
-    }
+  // The strategy's re-sharding after `steps_` steps; returns the experts whose owner changed.
+  int64_t reshard() {
+    const std::vector<std::vector<int>> next = impl_->reshard(steps_, owners_);
     int64_t moved = 0;
-    for (int i = 0; i < n; ++i) {
+    for (size_t i = 0; i < next.size() && i < owners_.size(); ++i) {
       if (next[i] == owners_[i].owner) continue;
       moved += static_cast<int64_t>(plan::owner_moves(owners_[i].owner, next[i]).size());
-      owners_[i] = owned_only(next[i], R);
+      owners_[i] = owned_only(next[i], setup_.ranks);
     }
     return moved;
   }
 
-  std::string name_;
+  std::unique_ptr<strategy::Strategy> impl_;
   StrategySetup setup_;
   graph::EpStepOptions opt_;
   graph::EpStep step_;
   plan::Nodes nodes_;
-  int moe_layers_ = 0;
-  std::unique_ptr<plan::LoadPredictor> predictor_;
-  std::vector<plan::LayerPlacement> owners_;          // per MoE layer: the shards' owners now
-  std::vector<plan::LayerPlacement> flex_placement_;  // flexmoe: its persistent placement per layer
-  std::vector<int> flex_since_;                       // flexmoe: steps since its last re-plan
-  int reshard_every_ = 0;
+  std::vector<plan::LayerPlacement> owners_;  // per MoE layer: the shards' owners now
   int64_t expert_bytes_ = 0;
-  double gemm_rate_ = 0, attn_s_ = 0, bandwidth_ = 0, expert_seconds_per_token_ = 0;
-  int slots_ = 0;
+  double attn_s_ = 0, bandwidth_ = 0;
   int64_t steps_ = 0;
   std::vector<SparseSchedule> schedules_;
   PlacementStats stats_;
@@ -341,14 +252,16 @@ double placement_bandwidth(const Cluster& cluster) {
 }
 
 Status make_placement_strategy(const std::string& name, const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-  if (name != "hecate" && name != "fastermoe" && name != "smartmoe" && name != "flexmoe")
-    return Status::error(str_cat("sim: no placement strategy \"", name, "\""));
+  std::unique_ptr<strategy::Strategy> probe;  // for what does not depend on the setup's cost model
+  strategy::Setup probe_setup;
+  probe_setup.options.rematerialize = s.placement.rematerialize;
+  if (Status st = strategy::make(name, probe_setup, &probe); !st) return st;
+  if (!probe->uses_placements()) return Status::error(str_cat("sim: strategy \"", name, "\" places no experts"));
   if (s.ep_size != s.ranks)
     return Status::error(str_cat("strategy ", name, ": ep-size (", s.ep_size, ") must equal the ranks (", s.ranks,
                                  "): one expert-parallel group of every rank"));
-  if (s.model.n_experts % s.ranks != 0)
-    return Status::error(str_cat("strategy ", name, ": n_experts (", s.model.n_experts,
-                                 ") must be a multiple of the ranks (", s.ranks, "): each rank owns the same number of expert shards"));
+  int ep = 0;
+  if (Status st = probe->ep_size(s.model, s.ranks, &ep); !st) return st;
   if (static_cast<int>(s.node_of_rank.size()) != s.ranks)
     return Status::error(str_cat("strategy ", name, ": the node of every rank is needed"));
   if (s.placement.load_window < 1) return Status::error("load window must be >= 1");
@@ -357,7 +270,41 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   if (!(s.placement.link_gbs >= 0) || !std::isfinite(s.placement.link_gbs)) return Status::error("link GB/s must be >= 0");
   if (!(s.bandwidth > 0) && !(s.placement.link_gbs > 0))
     return Status::error(str_cat("strategy ", name, ": no bandwidth for the planners' cost models"));
-  *out = std::make_unique<PlacementStrategy>(name, s);
+
+  graph::EpStepOptions opt;
+  opt.world = s.ranks;
+  opt.ep_size = s.ranks;
+  opt.batch = s.batch_per_rank;
+  opt.allreduce_micro_bytes = s.allreduce_micro_bytes;
+  strategy::Setup setup;
+  setup.model = s.model;
+  setup.world = s.ranks;
+  setup.nodes.node_of_rank = s.node_of_rank;
+  setup.options.rematerialize = s.placement.rematerialize;
+  setup.options.replica_slots = s.placement.replica_slots;
+  setup.options.load_window = s.placement.load_window;
+  setup.options.reshard_every = s.placement.reshard_every;
+  probe->configure(&opt);
+  // The cost model from the modeled cluster: the device's GEMM rate on the balanced expert_fwd op
+  // (compute.h's efficiency curve) and the mean attn_fwd time (the trainer's t measures it).
+  const graph::EpStep step = graph::build_ep_step(s.model, opt);
+  double balanced_flops = 0, attn_s = 0;
+  int n_attn = 0;
+  for (const graph::Op& op : step.graph.ops) {
+    if (op.kind == OpKind::expert_fwd) balanced_flops = op.cost.flops;
+    if (op.kind == OpKind::attn_fwd) {
+      attn_s += op_time(s.device, op.cost.flops, static_cast<double>(op.cost.bytes),
+                        kind_speed(s.device, graph::op_kind_name(op.kind)));
+      ++n_attn;
+    }
+  }
+  const double gemm_rate = s.device.peak_flops * efficiency(s.device, std::max(balanced_flops, 1.0)) *
+                           kind_speed(s.device, graph::op_kind_name(OpKind::expert_fwd));
+  const double bandwidth = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
+  setup.cost = strategy::make_cost_model(s.model, bandwidth, gemm_rate);
+  std::unique_ptr<strategy::Strategy> impl;
+  if (Status st = strategy::make(name, setup, &impl); !st) return st;
+  *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, n_attn ? attn_s / n_attn : 0);
   return Status::ok();
 }
 

@@ -1,21 +1,18 @@
-// The placement strategies in the simulator (Hecate, FasterMoE, SmartMoE, FlexMoE: runtime/strategy.h): per step the
-// placements from the very planners the runtime calls, and the run-time sizes of their graphs
+// The placement strategies in the simulator (Hecate, FasterMoE, SmartMoE, FlexMoE): per step the
+// placements the strategy objects of strategy/strategy.h decide (the very objects the trainer runs),
+// fed the simulated loads, and the run-time sizes of their graphs
 // (build_ep_step with the placement options, one ep group of every rank) exactly as MoeLayer
 // (moe/moe_layer_placed.cpp) and EpStepBodies (runtime/ep_step_bodies.cpp) record them.
 //
-// What the runtime does per MoE layer l and step, and what the simulator does in its place:
-//   before the step  hecate: planned = plan::sparse_materialize(owners, predictor.predict(l), t, m,
-//                    nodes), the predictor (plan::LoadPredictor, window w) fed every step's global
-//                    loads; t: the option, or (as the trainer) 0 on the first step and then
-//                    plan::overlap_degree(attn_fwd time, bandwidth, expert bytes) with the attn_fwd
-//                    time the compute model gives that op; m: the option, or E / R.
-//   after the gate   hecate: plan::calibrate(planned, counts, t, m, nodes, {expert s/token, bandwidth,
-//                    expert bytes}); its placement when it says gather. fastermoe:
-//                    plan::fastermoe_plan(owners, counts, {C, F/C, 4 bytes, bandwidth, GEMM rate}).
-//   after the step   re-sharding of the owners (PlacementStrategy in placement_costs.cpp): hecate's
-//                    Alg. 2 and smartmoe every reshard_every steps, flexmoe's re-plan after every step
-//                    (its persistent replicas are gathered before the gate).
-//                    counts[r][e] = the step's load (the kept assignments, what routed_counts gives).
+// Per MoE layer l and step, the strategy (strategy/strategy.h) decides and the simulator applies:
+//   before the step  planned = before_step(l, owners, t), or the owners when it plans nothing; t: the
+//                    option, or (as the trainer) 0 on the first step and then plan::overlap_degree(
+//                    attn_fwd time, bandwidth, expert bytes) with the attn_fwd time the compute model
+//                    gives that op;
+//   after the gate   placed = after_gate(l, owners, planned, counts), or planned;
+//                    counts[r][e] = the step's load (the kept assignments, what routed_counts gives);
+//   after the step   observe(the global loads), then reshard(steps, owners): the owners it re-assigns
+//                    (Alg. 2, SmartMoE's swaps, FlexMoE's re-plans);
 //   sizes            dispatch / combine all-to-alls from rows = plan::dispatch_plan(placed, nodes,
 //                    counts) (float32 rows of C), expert FLOPs from the rows a rank receives, the sparse
 //                    ops' peer bytes from their comm::SparsePlan over W*E chunks of F*C floats.
@@ -88,8 +85,9 @@ std::vector<SparseSchedule> sparse_schedules(const graph::StepGraph& g, const Mo
 // on one node the slowest route from device 0 to another device.
 double placement_bandwidth(const Cluster& cluster);
 
-// The strategies "hecate", "fastermoe", "smartmoe" and "flexmoe" (sim_strategies() registers them). Errors: ep_size !=
-// ranks, n_experts not a multiple of the ranks, missing node map (named).
+// A registered strategy that places experts (strategy::places_experts; sim_strategies() offers every
+// one). Errors: an unknown name, ep_size != ranks, n_experts not a multiple of the ranks, missing node
+// map (named).
 Status make_placement_strategy(const std::string& name, const StrategySetup& setup, std::unique_ptr<SimStrategy>* out);
 
 }  // namespace moe::sim

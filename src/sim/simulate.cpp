@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "sim/placement_costs.h"
+#include "strategy/strategy.h"
 #include "util/str_cat.h"
 
 namespace moe::sim {
@@ -62,40 +63,25 @@ double moe_layer_ms(const graph::StepGraph& g, const runtime::StepTimeline& tl) 
 }
 
 const std::map<std::string, StrategyInfo>& sim_strategies() {
-  static const std::map<std::string, StrategyInfo> registry = {
-      {"ep",
-       {"expert parallelism (graph/ep_builder.h): experts split over ep groups, all-to-all dispatch/combine, "
-        "gradient allreduce under the backward",
-        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
-          *out = std::make_unique<EpStrategy>(s);
-          return Status::ok();
-        }}},
-      {"hecate",
-       {"Hecate FSSDP (runtime/strategy.h): experts sharded as EP; before each step Alg. 1 replicates the "
-        "predicted hot experts by SparseAllGather behind attention, calibration after the gate, replica "
-        "gradients by SparseReduceScatter; --rematerialize frees replicas after forward",
-        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-          return make_placement_strategy("hecate", s, out);
-        }}},
-      {"fastermoe",
-       {"FasterMoE dynamic shadowing: after each gate its cost model broadcasts the hottest experts to every "
-        "rank (plan::fastermoe_plan), on the critical path",
-        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-          return make_placement_strategy("fastermoe", s, out);
-        }}},
-      {"smartmoe",
-       {"SmartMoE: experts sharded as EP, no replicas; every --reshard-every steps its greedy re-assigns owners "
-        "by the averaged loads (plan::smartmoe_plan) when that lowers the busiest rank's load",
-        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-          return make_placement_strategy("smartmoe", s, out);
-        }}},
-      {"flexmoe",
-       {"FlexMoE: persistent expert replicas (--replica-slots per rank, default 1), gathered before the gate, "
-        "re-planned after every step by its balance trigger and cost model (plan::flexmoe_plan)",
-        [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-          return make_placement_strategy("flexmoe", s, out);
-        }}},
-  };
+  // The strategies of strategy/strategy.h's registry, the same objects the trainer runs: ep's graphs
+  // from EpStrategy, the others' from their decisions (placement_costs.h).
+  static const std::map<std::string, StrategyInfo> registry = [] {
+    std::map<std::string, StrategyInfo> r;
+    for (const strategy::Registration& reg : strategy::registry()) {
+      const std::string name = reg.name;
+      if (!strategy::places_experts(name)) {
+        r[name] = {reg.summary, [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
+                     *out = std::make_unique<EpStrategy>(s);
+                     return Status::ok();
+                   }};
+      } else {
+        r[name] = {reg.summary, [name](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
+                     return make_placement_strategy(name, s, out);
+                   }};
+      }
+    }
+    return r;
+  }();
   return registry;
 }
 
@@ -119,8 +105,8 @@ Status resolve(SimRunConfig* cfg) {
   if (cfg->ranks == 0) cfg->ranks = devices;
   if (cfg->ranks < 1 || cfg->ranks > devices)
     return Status::error(str_cat("ranks (", cfg->ranks, ") must be in [1, ", devices, "], the cluster's devices"));
-  // The placement strategies place experts over one group of every rank (runtime::Strategy::ep_size).
-  if (cfg->ep_size == 0 && cfg->strategy != "ep") cfg->ep_size = cfg->ranks;
+  // The placement strategies place experts over one group of every rank (strategy::Strategy::ep_size).
+  if (cfg->ep_size == 0 && strategy::places_experts(cfg->strategy)) cfg->ep_size = cfg->ranks;
   if (cfg->ep_size == 0) {
     for (int g = 1; g <= cfg->ranks; ++g)
       if (cfg->ranks % g == 0 && cfg->model.n_experts % g == 0) cfg->ep_size = g;

@@ -8,7 +8,7 @@
 // from past simulated loads; what it decides after the gate, from this step's load). Registered in
 // sim_strategies() (simulate.cpp):
 //   ep         expert parallelism (graph/ep_builder.h), costs by load.h's fill_ep_costs;
-//   hecate     Hecate FSSDP (runtime/strategy.h): Alg. 1 before the step, calibration after the gate,
+//   hecate     Hecate FSSDP (strategy/hecate.cpp): Alg. 1 before the step, calibration after the gate,
 //              sparse collectives on the gather lane; PlacementOptions::rematerialize for Hecate-RM;
 //   fastermoe  FasterMoE's shadowing after the gate;
 //   smartmoe   SmartMoE's owner swaps every PlacementOptions::reshard_every steps, no replicas;

@@ -1,0 +1,78 @@
+// hecate: fully sharded sparse data parallelism (Hecate). Shards as EP, one owner per expert (its
+// weights and optimizer state). Before each step Alg. 1 (plan::sparse_materialize) replicates the
+// experts a sliding-window predictor expects to be hot onto other ranks, within m replica slots per
+// rank and layer and t experts gathered behind attention; the runtime's SparseAllGather of layer l
+// runs behind attn_fwd(l) and replica gradients return by SparseReduceScatter behind attention
+// backward (--rematerialize frees replicas after forward and gathers them again). After the gate the
+// calibration (plan::calibrate) gathers more replicas when the actual loads differ from the
+// prediction enough to pay for a second gather. Every reshard_every steps Alg. 2
+// (plan::heterogeneous_sharding) re-assigns the owners of all MoE layers together.
+#include <memory>
+
+#include "plan/hecate.h"
+#include "plan/load_predictor.h"
+#include "strategy/strategy.h"
+
+namespace moe::strategy {
+namespace {
+
+class Hecate : public Strategy {
+ public:
+  explicit Hecate(const Setup& s)
+      : s_(s),
+        predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), s.options.load_window),
+        reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100) {
+    // A replica costs its weights and, in backward, their gradient buffer (plan::memory_slots counts
+    // weights only, so it is given half the budget).
+    if (s.options.replica_memory_bytes > 0)
+      slots_ = plan::memory_slots(s.options.replica_memory_bytes / 2, s.cost.expert_bytes);
+    else
+      slots_ = s.options.replica_slots >= 0 ? s.options.replica_slots
+                                            : static_cast<int>(s.model.n_experts / std::max(1, s.world));
+  }
+  const char* name() const override { return "hecate"; }
+  void configure(graph::EpStepOptions* opt) const override {
+    opt->gather_before_gate = true;
+    opt->gather_after_gate = true;  // the calibration's second gather, when it pays
+    opt->rematerialize = s_.options.rematerialize;
+  }
+  std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners, int t) override {
+    t_ = t;
+    return plan::sparse_materialize(owners, predictor_.predict(layer), t, slots_, s_.nodes);
+  }
+  bool after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
+                  const std::vector<std::vector<int64_t>>& counts, plan::LayerPlacement* out) override {
+    (void)layer, (void)owners;
+    const plan::CalibrationModel cm{s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes};
+    const plan::Calibration c = plan::calibrate(in_force, counts, t_, slots_, s_.nodes, cm);
+    if (!c.gather) return false;
+    *out = c.placement;
+    ++calibrations_;
+    return true;
+  }
+  void observe(const std::vector<std::vector<int64_t>>& loads) override {
+    if (!loads.empty()) predictor_.observe(loads);
+  }
+  std::vector<std::vector<int>> reshard(int64_t done, const std::vector<plan::LayerPlacement>& owners) override {
+    if (reshard_every_ <= 0 || done % reshard_every_ != 0 || owners.empty()) return {};
+    std::vector<std::vector<double>> loads;
+    for (size_t i = 0; i < owners.size(); ++i) loads.push_back(predictor_.predict(static_cast<int>(i)));
+    return plan::heterogeneous_sharding(loads, t_, s_.nodes);
+  }
+  int replica_slots() const override { return slots_; }
+  int overlap_degree() const override { return t_; }
+  bool gathers_behind_attention() const override { return true; }
+
+ private:
+  Setup s_;
+  plan::LoadPredictor predictor_;
+  int reshard_every_ = 0;
+  int slots_ = 0;
+  int t_ = 0;  // the overlap degree of this step
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy> make_hecate(const Setup& s) { return std::make_unique<Hecate>(s); }
+
+}  // namespace moe::strategy

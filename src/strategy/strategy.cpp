@@ -1,0 +1,99 @@
+// The Strategy defaults, the cost model, and the registry (strategy.h).
+#include "strategy/strategy.h"
+
+#include <numeric>
+
+#include "util/str_cat.h"
+
+namespace moe::strategy {
+
+// One line per strategy; each file defines its make_<name>.
+std::unique_ptr<Strategy> make_ep(const Setup&);
+std::unique_ptr<Strategy> make_hecate(const Setup&);
+std::unique_ptr<Strategy> make_fastermoe(const Setup&);
+std::unique_ptr<Strategy> make_smartmoe(const Setup&);
+std::unique_ptr<Strategy> make_flexmoe(const Setup&);
+
+const std::vector<Registration>& registry() {
+  static const std::vector<Registration> r{
+      {"ep", "static expert parallelism: expert e on rank e / (E / R); tokens go to their expert's rank", make_ep},
+      {"hecate", "Hecate FSSDP: sharded experts, predicted-hot ones gathered behind attention, calibrated after the gate, re-sharded every --reshard-every steps", make_hecate},
+      {"fastermoe", "FasterMoE shadowing: after each gate the hottest experts are broadcast to every rank", make_fastermoe},
+      {"smartmoe", "SmartMoE: no replicas; every --reshard-every steps experts are swapped between ranks", make_smartmoe},
+      {"flexmoe", "FlexMoE (reconstructed): persistent replicas of hot experts in --replica-slots slots, re-planned on imbalance", make_flexmoe},
+  };
+  return r;
+}
+
+const Registration* find(const std::string& name) {
+  for (const Registration& r : registry())
+    if (name == r.name) return &r;
+  return nullptr;
+}
+
+std::string names() {
+  std::string s;
+  for (const Registration& r : registry()) s += (s.empty() ? "" : ", ") + std::string(r.name);
+  return s;
+}
+
+std::string help() {
+  std::string s;
+  for (const Registration& r : registry()) {
+    std::string n = r.name;
+    n.resize(std::max<size_t>(n.size() + 1, 11), ' ');
+    s += "  " + n + r.summary + "\n";
+  }
+  return s;
+}
+
+Status make(const std::string& name, const Setup& setup, std::unique_ptr<Strategy>* out) {
+  const Registration* r = find(name);
+  if (!r) return Status::error(str_cat("strategy '", name, "' is not one of ", names()));
+  *out = r->make(setup);
+  return Status::ok();
+}
+
+bool places_experts(const std::string& name) {
+  std::unique_ptr<Strategy> probe;
+  return make(name, Setup{}, &probe) && probe->uses_placements();
+}
+
+CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops) {
+  CostModel c;
+  const int64_t mats = model.activation == "swiglu" ? 3 : 2;
+  c.bandwidth = bandwidth;
+  c.gemm_flops = gemm_flops;
+  c.expert_bytes = mats * model.d_model * model.d_ffn * static_cast<int64_t>(sizeof(float));
+  // Forward and backward: 3 GEMM passes over the expert's matrices.
+  c.expert_seconds_per_token = 3 * 2 * static_cast<double>(mats) * static_cast<double>(model.d_model * model.d_ffn) /
+                               gemm_flops;
+  return c;
+}
+
+Status Strategy::ep_size(const ModelConfig& model, int world, int* out) const {
+  if (world > 1 && model.n_experts % world != 0)
+    return Status::error(str_cat("strategy ", name(), ": n_experts (", model.n_experts,
+                                 ") must be a multiple of the ranks (", world, "): each rank owns the same number of expert shards"));
+  *out = world;
+  return Status::ok();
+}
+
+std::optional<plan::LayerPlacement> Strategy::before_step(int layer, const plan::LayerPlacement& owners, int t) {
+  (void)layer, (void)owners, (void)t;
+  return std::nullopt;
+}
+
+bool Strategy::after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
+                          const std::vector<std::vector<int64_t>>& counts, plan::LayerPlacement* out) {
+  (void)layer, (void)owners, (void)in_force, (void)counts, (void)out;
+  return false;
+}
+
+int moe_layer_count(const ModelConfig& model) {
+  int n = 0;
+  for (int64_t l = 0; l < model.n_layers; ++l) n += model.is_moe_layer(l) ? 1 : 0;
+  return std::max(1, n);
+}
+
+}  // namespace moe::strategy

@@ -1,0 +1,130 @@
+// Start here for strategies. A training strategy decides where each MoE layer's experts live during
+// a step: which rank owns each expert's shard (weights and optimizer state), which ranks hold a
+// temporary replica, and which step-graph options its exchanges need. Every strategy computes the
+// same mathematics (DESIGN invariant 1); they differ in which ranks run which tokens and in what
+// moves over the network.
+//
+// One object per strategy, registered once (registry()): the trainer (runtime/strategy.h applies its
+// decisions to the model's MoE layers) and the simulator (sim/placement_costs.cpp applies them to
+// its modeled layers) run the same objects, fed the same kinds of input: the owners of each layer's
+// shards, the loads of past steps (observe), this step's routed counts after the gate, and one cost
+// model. The planners themselves are pure functions in src/plan.
+//
+// Order of calls in a step: before_step (per MoE layer) -> after_gate (per MoE layer, once its gate
+// has run) -> observe (the step's global loads) -> reshard. Every rank holds the same Strategy state
+// fed the same all-reduced loads, so every rank decides the same (DESIGN invariant 2).
+// Thread safety: none; one thread calls a Strategy at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "graph/ep_builder.h"
+#include "model/config.h"
+#include "plan/placement.h"
+#include "util/status.h"
+
+namespace moe::strategy {
+
+// What the planners assume about the machine.
+struct CostModel {
+  double bandwidth = 0;                 // bytes/s a rank receives expert weights at
+  double gemm_flops = 0;                // FLOP/s of the expert GEMMs
+  int64_t expert_bytes = 0;             // one expert's weights (2 matrices, 3 with SwiGLU, f32)
+  double expert_seconds_per_token = 0;  // one token through one expert, forward and backward
+};
+// The cost model of `model`'s experts at these rates. REQUIRES: gemm_flops > 0.
+CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops);
+
+// The strategies' knobs (moe train's flags of the same names).
+struct Options {
+  bool rematerialize = false;        // hecate: free replicas after forward, gather again for backward
+  int replica_slots = -1;            // hecate: extra experts per rank and layer (-1: experts per rank);
+                                     // flexmoe: its reserved slots (-1: 1)
+  int64_t replica_memory_bytes = 0;  // hecate: > 0 sets the slots from this budget per rank and layer
+  int load_window = 5;               // hecate, flexmoe: steps of the load predictor's window
+  int reshard_every = -1;            // hecate, smartmoe: re-shard every N steps (-1: 100; 0: never);
+                                     // flexmoe: re-plan at least every N steps (-1 or 0: 50)
+};
+
+struct Setup {
+  ModelConfig model;
+  int world = 1;      // ranks of the (one) expert-parallel group placements span
+  plan::Nodes nodes;  // node of each rank
+  Options options;
+  CostModel cost;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual const char* name() const = 0;
+  // False for ep alone: no placements, no replicas, the layer's static shards.
+  virtual bool uses_placements() const { return true; }
+  // The expert-parallel group size over `world` ranks. Default (placement strategies): one group of
+  // every rank; error when n_experts is not a multiple of world.
+  virtual Status ep_size(const ModelConfig& model, int world, int* out) const;
+  // Sets this strategy's graph options (gathers before / after the gate, re-materialization).
+  virtual void configure(graph::EpStepOptions* opt) const { (void)opt; }
+
+  // Before a step, MoE layer `layer` (0-based among MoE layers) whose shards live at `owners`: the
+  // placement to gather before the gate, or nothing when this strategy plans none (the layer then
+  // dispatches over its owners unless after_gate says otherwise). t: the overlap degree of this step
+  // (Hecate's Alg. 1).
+  virtual std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners, int t);
+  // After layer `layer`'s gate: true and *out set when tokens should go over another placement than
+  // `in_force` (the one gathered before the gate). counts [R][E]: tokens each rank routed to each
+  // expert this step.
+  virtual bool after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
+                          const std::vector<std::vector<int64_t>>& counts, plan::LayerPlacement* out);
+  // After a step: every MoE layer's global tokens per expert [L][E] (the same on every rank).
+  virtual void observe(const std::vector<std::vector<int64_t>>& loads) { (void)loads; }
+  // After the optimizer of step `done` (1-based): the new owner of every expert of every MoE layer,
+  // given the owners now, or an empty vector when nothing is due. The caller moves the shards.
+  virtual std::vector<std::vector<int>> reshard(int64_t done, const std::vector<plan::LayerPlacement>& owners) {
+    (void)done, (void)owners;
+    return {};
+  }
+
+  // Hecate: whether before_step's gathers run behind the attention, t experts at a time.
+  virtual bool gathers_behind_attention() const { return false; }
+  // Hecate: the overlap degree t of the last before_step; 0 for strategies that use none.
+  virtual int overlap_degree() const { return 0; }
+  // Hecate: replica slots per rank and layer (Alg. 1's m); flexmoe: its reserved slots; else 0.
+  virtual int replica_slots() const { return 0; }
+  // Hecate: MoE layers whose calibration after the gate gathered, since the last call.
+  int64_t take_calibrations() {
+    const int64_t n = calibrations_;
+    calibrations_ = 0;
+    return n;
+  }
+
+ protected:
+  int64_t calibrations_ = 0;
+};
+
+// MoE layers of `model`, at least 1 (the size of a strategy's load predictor).
+int moe_layer_count(const ModelConfig& model);
+
+// ---- the registry: every strategy, by name ----------------------------------------------------
+struct Registration {
+  const char* name;
+  const char* summary;  // one line for --strategy help
+  std::unique_ptr<Strategy> (*make)(const Setup&);
+};
+const std::vector<Registration>& registry();
+// The registration of `name`, or null.
+const Registration* find(const std::string& name);
+// "ep, hecate, fastermoe, smartmoe, flexmoe" (registration order).
+std::string names();
+// One line per strategy: "  hecate     <summary>".
+std::string help();
+// Errors: an unknown name (listing the known ones), or a setup the strategy cannot run (named).
+Status make(const std::string& name, const Setup& setup, std::unique_ptr<Strategy>* out);
+// Whether the registered strategy `name` places experts (every one but ep); false for unknown names.
+bool places_experts(const std::string& name);
+
+}  // namespace moe::strategy

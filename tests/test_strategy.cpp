@@ -1,0 +1,156 @@
+// The strategy objects (strategy/strategy.h) on their own: the registry, what each asks of the step
+// graph, and their decisions on made-up loads. The trainer and the simulator run these objects
+// (test_distributed.cpp: every strategy trains ep's model; test_sim_strategies.cpp: their simulated
+// steps).
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "strategy/strategy.h"
+
+namespace {
+
+using moe::plan::LayerPlacement;
+namespace strategy = moe::strategy;
+
+strategy::Setup setup(int world, int experts = 8) {
+  strategy::Setup s;
+  s.model.n_layers = 2;
+  s.model.n_experts = experts;
+  s.world = world;
+  for (int r = 0; r < world; ++r) s.nodes.node_of_rank.push_back(r / 2);  // 2 ranks per node
+  s.cost = strategy::make_cost_model(s.model, 1e9, 1e11);
+  return s;
+}
+
+std::unique_ptr<strategy::Strategy> make(const std::string& name, const strategy::Setup& s) {
+  std::unique_ptr<strategy::Strategy> out;
+  moe::Status st = strategy::make(name, s, &out);
+  EXPECT_TRUE(st) << st.message();
+  return out;
+}
+
+TEST(StrategyRegistry, ListsEveryStrategyOnceAndRefusesOthers) {
+  std::vector<std::string> names;
+  for (const strategy::Registration& r : strategy::registry()) {
+    names.push_back(r.name);
+    EXPECT_EQ(strategy::find(r.name), &r);
+    EXPECT_EQ(make(r.name, setup(4))->name(), std::string(r.name));
+    EXPECT_NE(strategy::help().find(r.name), std::string::npos);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"ep", "hecate", "fastermoe", "smartmoe", "flexmoe"}));
+  EXPECT_EQ(strategy::names(), "ep, hecate, fastermoe, smartmoe, flexmoe");
+  std::unique_ptr<strategy::Strategy> none;
+  moe::Status st = strategy::make("deepspeed-typo", setup(4), &none);
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.message().find("'deepspeed-typo' is not one of ep, hecate"), std::string::npos) << st.message();
+  EXPECT_FALSE(strategy::places_experts("ep"));
+  EXPECT_FALSE(strategy::places_experts("nope"));
+  EXPECT_TRUE(strategy::places_experts("smartmoe"));
+}
+
+TEST(StrategyShape, EachAsksTheGraphForItsOwnExchanges) {
+  struct Want {
+    const char* name;
+    bool before, after, remat;
+  };
+  for (const Want& w : {Want{"ep", false, false, false}, Want{"hecate", true, true, true},
+                        Want{"fastermoe", false, true, false}, Want{"smartmoe", false, false, false},
+                        Want{"flexmoe", true, false, false}}) {
+    strategy::Setup s = setup(4);
+    s.options.rematerialize = true;
+    moe::graph::EpStepOptions opt;
+    opt.world = 4;
+    make(w.name, s)->configure(&opt);
+    EXPECT_EQ(opt.gather_before_gate, w.before) << w.name;
+    EXPECT_EQ(opt.gather_after_gate, w.after) << w.name;
+    EXPECT_EQ(opt.rematerialize, w.remat) << w.name;
+  }
+}
+
+TEST(StrategyShape, ExpertParallelGroups) {
+  int g = 0;
+  ASSERT_TRUE(make("ep", setup(6))->ep_size(setup(6).model, 6, &g));
+  EXPECT_EQ(g, 2);  // gcd(8 experts, 6 ranks): 3 data-parallel copies of 2-rank groups
+  ASSERT_TRUE(make("hecate", setup(4))->ep_size(setup(4).model, 4, &g));
+  EXPECT_EQ(g, 4);  // one group of every rank
+  moe::Status st = make("smartmoe", setup(6))->ep_size(setup(6).model, 6, &g);
+  EXPECT_FALSE(st);
+  EXPECT_NE(st.message().find("must be a multiple of the ranks (6)"), std::string::npos) << st.message();
+}
+
+// [L][E] loads with expert 0 taking half of every layer's tokens.
+std::vector<std::vector<int64_t>> skewed(int layers, int experts) {
+  std::vector<std::vector<int64_t>> l(layers, std::vector<int64_t>(experts, 100));
+  for (auto& row : l) row[0] = 100 * (experts - 1);
+  return l;
+}
+
+TEST(StrategyDecisions, HecateReplicatesTheHotExpertItPredicts) {
+  auto h = make("hecate", setup(4));
+  const LayerPlacement owners = moe::plan::even_placement(8, 4);
+  for (int step = 0; step < 5; ++step) h->observe(skewed(2, 8));
+  // t = 0: nothing may be gathered behind the attention.
+  std::optional<LayerPlacement> p = h->before_step(0, owners, /*t=*/0);
+  ASSERT_TRUE(p.has_value());
+  for (const std::vector<int>& r : p->replicas) EXPECT_EQ(r.size(), 1u);
+  p = h->before_step(0, owners, /*t=*/4);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_GT(p->replicas[0].size(), 1u) << "the hot expert 0 is replicated";
+  for (size_t e = 1; e < p->replicas.size(); ++e)
+    EXPECT_GE(p->replicas[0].size(), p->replicas[e].size()) << "expert " << e << " has more copies than the hot one";
+  EXPECT_EQ(p->owner, owners.owner) << "replicas never move an owner";
+  EXPECT_EQ(h->overlap_degree(), 4);
+  EXPECT_EQ(h->replica_slots(), 2);  // E / R
+}
+
+TEST(StrategyDecisions, FasterMoeShadowsAfterTheGateOnly) {
+  auto f = make("fastermoe", setup(4));
+  const LayerPlacement owners = moe::plan::even_placement(8, 4);
+  EXPECT_FALSE(f->before_step(0, owners, 0).has_value());
+  std::vector<std::vector<int64_t>> counts(4, std::vector<int64_t>(8, 10));
+  for (auto& row : counts) row[0] = 5000;
+  LayerPlacement placed;
+  ASSERT_TRUE(f->after_gate(0, owners, owners, counts, &placed));
+  EXPECT_EQ(placed.replicas[0].size(), 4u) << "the hot expert is broadcast to every rank";
+}
+
+TEST(StrategyDecisions, SmartMoeSwapsOnlyWhenDue) {
+  strategy::Setup s = setup(2, 4);
+  s.options.reshard_every = 3;
+  auto m = make("smartmoe", s);
+  std::vector<LayerPlacement> owners(2, moe::plan::even_placement(4, 2));  // experts 0,1 on rank 0
+  std::vector<std::vector<int64_t>> hot_pair(2, std::vector<int64_t>{400, 400, 10, 10});
+  for (int64_t done = 1; done <= 2; ++done) {
+    m->observe(hot_pair);
+    EXPECT_TRUE(m->reshard(done, owners).empty()) << "step " << done << " is not a multiple of 3";
+  }
+  m->observe(hot_pair);
+  const std::vector<std::vector<int>> next = m->reshard(3, owners);
+  ASSERT_EQ(next.size(), 2u);
+  EXPECT_NE(next[0][0], next[0][1]) << "the two hot experts end on different ranks";
+}
+
+TEST(StrategyDecisions, FlexMoeStartsFromTheOwnersAndKeepsItsPlacement) {
+  auto f = make("flexmoe", setup(4));
+  const LayerPlacement owners = moe::plan::even_placement(8, 4);
+  std::optional<LayerPlacement> p = f->before_step(0, owners, 0);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->replicas, owners.replicas);
+  EXPECT_EQ(f->replica_slots(), 1);
+  for (int64_t done = 1; done <= 3; ++done) {
+    f->observe(skewed(2, 8));
+    const std::vector<std::vector<int>> next = f->reshard(done, {owners, owners});
+    ASSERT_EQ(next.size(), 2u);
+  }
+  // Once it re-planned under the skew, the next step gathers its replicas of expert 0.
+  p = f->before_step(0, owners, 0);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_GT(p->replicas[0].size(), 1u);
+}
+
+}  // namespace
