@@ -10,7 +10,6 @@ namespace moe::bench {
 
 // Shared by the benchmarks (bench_util.cpp).
 double median(std::vector<double> v);  // the upper median; 0 for no samples
-std::string self_exe();                // this `moe` binary's path, to start it again (under mpirun)
 
 struct BenchOptions {
   int threads = 2;

@@ -156,7 +156,7 @@ TrainRow train_row(const std::string& name, const std::string& launch, int steps
   const std::string metrics =
       std::filesystem::temp_directory_path() / str_cat("moe_bench_cluster_", getpid(), ".jsonl");
   std::filesystem::remove(metrics);
-  std::string cmd = str_cat(launch, " ", self_exe(), " train --steps ", steps, " --log-every ", steps,
+  std::string cmd = str_cat(launch, " ", self_exe("moe"), " train --steps ", steps, " --log-every ", steps,
                             " --eval-batches 1 --threads 1 --metrics ", metrics);
   const ShellResult r = run_shell(cmd);
   if (r.exit_code != 0) {
@@ -191,7 +191,7 @@ int cluster_collectives(const BenchOptions& opt) {
   int failed = 0;
   for (const char* nic : {"200mbit", "1gbit"}) {
     if (!cluster.shape(nic)) return 1;
-    const std::string job = str_cat("run -- ", self_exe(), " bench cluster-collectives --repeats ", opt.repeats);
+    const std::string job = str_cat("run -- ", self_exe("moe"), " bench cluster-collectives --repeats ", opt.repeats);
     const ShellResult r = run_shell(cluster.command(job));
     // Only the table: the launch line goes to stderr, merged here.
     std::string table;

@@ -31,6 +31,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "util/shell.h"
 
 namespace moe::bench {
 namespace {
@@ -52,7 +53,7 @@ bool run(int ranks, int threads, const std::string& extra, int steps, int warmup
                                                                         ".jsonl");
   std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
   if (ranks > 1) cmd += "mpirun -n " + std::to_string(ranks) + " ";
-  cmd += self_exe() + " train --steps " + std::to_string(steps) + " --log-every " + std::to_string(steps) +
+  cmd += self_exe("moe") + " train --steps " + std::to_string(steps) + " --log-every " + std::to_string(steps) +
          " --eval-batches 1 --threads " + std::to_string(threads) + " --metrics " + metrics + " " + extra +
          " > /dev/null 2>&1";
   int st = std::system(cmd.c_str());

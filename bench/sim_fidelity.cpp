@@ -105,7 +105,7 @@ Measured train(const std::string& launch, const std::string& args, const std::st
                const std::string& trace) {
   Measured m;
   std::filesystem::remove(metrics);
-  const std::string cmd = launch + " " + self_exe() + " train " + args + " --metrics " + metrics + " --trace " + trace;
+  const std::string cmd = launch + " " + self_exe("moe") + " train " + args + " --metrics " + metrics + " --trace " + trace;
   const ShellResult r = run_shell(cmd);
   if (r.exit_code != 0) {
     std::fprintf(stderr, "bench sim-fidelity: '%s' failed (exit %d):\n%s", cmd.c_str(), r.exit_code, r.output.c_str());

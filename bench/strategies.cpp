@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "util/shell.h"
 
 namespace moe::bench {
 namespace {
@@ -41,7 +42,7 @@ bool run(int ranks, int threads, const std::string& extra, int steps, int warmup
   const std::string metrics =
       std::filesystem::temp_directory_path() / ("moe_bench_strategies_" + std::to_string(getpid()) + ".jsonl");
   std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
-  cmd += "mpirun -n " + std::to_string(ranks) + " " + self_exe() + " train --steps " + std::to_string(steps) +
+  cmd += "mpirun -n " + std::to_string(ranks) + " " + self_exe("moe") + " train --steps " + std::to_string(steps) +
          " --log-every " + std::to_string(steps) + " --eval-batches 1 --threads " + std::to_string(threads) +
          " --metrics " + metrics + " " + extra + " > /dev/null 2>&1";
   int st = std::system(cmd.c_str());

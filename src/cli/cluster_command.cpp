@@ -6,8 +6,6 @@
 // Finding the script: $MOE_CLUSTER_SCRIPT if set, else <source dir>/scripts/cluster.sh, the source
 // directory being compiled in (MOE_SOURCE_DIR, set by src/CMakeLists.txt for the moe target), so a
 // build finds its own checkout's script wherever the binary is run from.
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +15,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "util/shell.h"
 #include "util/str_cat.h"
 
 #ifndef MOE_SOURCE_DIR
@@ -51,16 +50,10 @@ int run_cluster(const CLI::App& cmd, ClusterFlags& f) {
     return 1;
   }
   // `moe cluster run -- moe train ...`: the script runs this very binary for `moe` when no moe is on PATH.
-  char exe[4096];
-  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (n > 0) setenv("MOE_BIN", std::string(exe, n).c_str(), 0);
+  if (const std::string self = self_exe(""); !self.empty()) setenv("MOE_BIN", self.c_str(), 0);
   std::vector<std::string> args{"bash", script};
   args.insert(args.end(), f.args.begin(), f.args.end());
-  std::vector<char*> c_args;
-  for (std::string& a : args) c_args.push_back(a.data());
-  c_args.push_back(nullptr);
-  std::fflush(stdout);
-  execvp("bash", c_args.data());
+  exec_command(std::move(args));
   std::fprintf(stderr, "%s\n", str_cat("moe cluster: cannot run bash ", script, ": ", std::strerror(errno)).c_str());
   return 1;
 }

@@ -13,6 +13,7 @@
 #include "runtime/cpu_threads.h"
 #include "runtime/trainer.h"
 #include "strategy/strategy.h"
+#include "util/shell.h"
 #ifdef MOE_HAVE_CUDA
 #include "cuda/train.h"
 #endif
@@ -57,9 +58,7 @@ int launch_ranks(const TrainFlags& f) {
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
   }
-  char exe[4096];
-  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  args.push_back(n > 0 ? std::string(exe, n) : f.argv.at(0));
+  args.push_back(self_exe(f.argv.at(0)));
   for (size_t i = 1; i < f.argv.size(); ++i) {
     const std::string& a = f.argv[i];
     if (a == "--ranks") {
@@ -69,11 +68,7 @@ int launch_ranks(const TrainFlags& f) {
     if (a.rfind("--ranks=", 0) == 0) continue;
     args.push_back(a);
   }
-  std::vector<char*> c_args;
-  for (std::string& a : args) c_args.push_back(a.data());
-  c_args.push_back(nullptr);
-  std::fflush(stdout);
-  execvp("mpirun", c_args.data());
+  exec_command(std::move(args));
   std::fprintf(stderr, "moe train: --ranks %d: cannot run mpirun (%s); scripts/setup.sh installs OpenMPI\n", f.ranks,
                std::strerror(errno));
   return 1;
@@ -88,17 +83,11 @@ int launch_ranks(const TrainFlags& f) {
 void wait_passively_if_oversubscribed(const TrainFlags& f, const TrainConfig& cfg) {
   if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT")) return;
   if (!runtime::plan_threads_before_mpi(runtime::thread_request(cfg.threads)).oversubscribed()) return;
-  char exe[4096];
-  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (n <= 0) return;
-  const std::string self(exe, n);
-  std::vector<std::string> args(f.argv.begin(), f.argv.end());
-  std::vector<char*> c_args;
-  for (std::string& a : args) c_args.push_back(a.data());
-  c_args.push_back(nullptr);
+  std::vector<std::string> args = f.argv;
+  args[0] = self_exe("");
+  if (args[0].empty()) return;
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-  std::fflush(stdout);
-  execv(self.c_str(), c_args.data());
+  exec_command(std::move(args));
   unsetenv("OMP_WAIT_POLICY");  // could not re-run: go on with the default policy
 }
 

@@ -1,8 +1,10 @@
 // run_shell: a command line run to completion through /bin/sh, for the tests and benchmarks that drive
-// `moe`, mpirun, python or scripts/cluster.sh as a user would.
+// `moe`, mpirun, python or scripts/cluster.sh as a user would; self_exe and exec_command, for the
+// `moe` commands that start this binary again (under mpirun, on an emulated cluster).
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace moe {
 
@@ -14,5 +16,12 @@ struct ShellResult {
 // Runs `command` (any shell syntax: it runs as `(command) 2>&1`) and waits for it. Blocks; no timeout
 // of its own (put `timeout` in the command).
 ShellResult run_shell(const std::string& command);
+
+// This process's executable (/proc/self/exe), or `fallback` when it cannot be read.
+std::string self_exe(const std::string& fallback);
+
+// Replaces this process with args[0] (found on PATH like execvp) run with args, stdout flushed first.
+// Returns only if that failed (errno says why). REQUIRES: args non-empty.
+void exec_command(std::vector<std::string> args);
 
 }  // namespace moe
