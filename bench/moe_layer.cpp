@@ -3,7 +3,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -45,17 +44,6 @@ void fill(Tensor& t, uint64_t seed, float scale) {
     s ^= s << 13, s ^= s >> 7, s ^= s << 17;  // xorshift: cheap, deterministic
     t[i] = scale * (static_cast<float>(s >> 40) / static_cast<float>(1 << 24) - 0.5f);
   }
-}
-
-// The six GEMMs one expert's GELU FFN runs per step (forward 2, backward 4), on M rows.
-struct GemmCall { bool ta, tb; int64_t M, N, K; };
-std::array<GemmCall, 6> expert_gemms(int64_t M) {
-  return {{{false, true, M, kF, kC},    // h1 = xp @ w1^T
-           {false, true, M, kC, kF},    // out = act @ w2^T
-           {false, false, M, kF, kC},   // dact = dout @ w2
-           {true, false, kC, kF, M},    // dw2 += dout^T @ act
-           {false, false, M, kC, kF},   // dxp = dh1 @ w1
-           {true, false, kF, kC, M}}};  // dw1 += dh1^T @ xp
 }
 
 struct Row { std::string name; double ms, tokens_per_s, gflops; std::string note; };
@@ -207,14 +195,15 @@ int moe_layer(const BenchOptions& opt) {
   Tensor a({std::max(M, kF), kF}), b({kF, kF}), c({std::max(M, kF), kF});
   fill(a, 7, 1.0f), fill(b, 8, 1.0f);
   double gemm_flops = 0;
-  for (const GemmCall& g : expert_gemms(M)) gemm_flops += 2.0 * g.M * g.N * g.K;
+  const std::vector<GemmShape> shapes = expert_gemm_shapes(M, kC, kF);
+  for (const GemmShape& g : shapes) gemm_flops += 2.0 * g.M * g.N * g.K;
   double gemm_rate = 0;
   std::string chosen = gemm_backend().substr(0, gemm_backend().find(' '));
   for (const char* backend : {"onednn", "openblas"}) {
     double ms = median_ms(opt.repeats, [&] {
-      for (const GemmCall& g : expert_gemms(M))
-        gemm_with(backend, g.ta, g.tb, g.M, g.N, g.K, 1.0f, a.data(), g.ta ? g.M : g.K, b.data(),
-                  g.tb ? g.K : g.N, 0.0f, c.data(), g.N);
+      for (const GemmShape& g : shapes)
+        gemm_with(backend, g.trans_a, g.trans_b, g.M, g.N, g.K, 1.0f, a.data(), g.trans_a ? g.M : g.K, b.data(),
+                  g.trans_b ? g.K : g.N, 0.0f, c.data(), g.N);
     });
     double rate = gemm_flops / (ms * 1e6);
     if (backend == chosen) gemm_rate = rate;

@@ -81,4 +81,14 @@ void experts_backward(float* dxp, float* dw1, float* dw2, float* dw3, float* dac
   }
 }
 
+std::vector<GemmShape> expert_gemm_shapes(int64_t rows, int64_t C, int64_t F) {
+  const int64_t M = rows;
+  return {{false, true, M, F, C},    // h1 = xp @ w1^T
+          {false, true, M, C, F},    // out = act @ w2^T
+          {false, false, M, F, C},   // dact = dout @ w2
+          {true, false, C, F, M},    // dw2 += dout^T @ act
+          {false, false, M, C, F},   // dxp = dh1 @ w1
+          {true, false, F, C, M}};   // dw1 += dh1^T @ xp
+}
+
 }  // namespace moe

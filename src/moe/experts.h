@@ -11,8 +11,10 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "moe/moe_layer.h"
+#include "tensor/ops.h"
 
 namespace moe {
 
@@ -36,5 +38,9 @@ void experts_backward(float* dxp /*[R,C]*/, float* dw1 /*[E,F,C]*/, float* dw2 /
                       float* dh3 /*[R,F] or null*/, const float* dout /*[R,C]*/, const float* xp /*[R,C]*/,
                       const float* h1, const float* h3, const float* act, const int64_t* off /*[E+1]*/,
                       const float* w1, const float* w2, const float* w3, const ExpertShape& s);
+
+// The six GEMMs one GELU expert runs per step on `rows` rows (forward 2, backward 4), as
+// experts_forward / experts_backward call them: what the GEMM kernel is chosen and benchmarked on.
+std::vector<GemmShape> expert_gemm_shapes(int64_t rows, int64_t C, int64_t F);
 
 }  // namespace moe

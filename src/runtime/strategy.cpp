@@ -1,7 +1,6 @@
 // The trainer's side of a strategy: see strategy.h.
 #include "runtime/strategy.h"
 
-#include <algorithm>
 #include <optional>
 #include <stdexcept>
 
@@ -37,42 +36,40 @@ void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator
   if (Status s = strategy::make(cfg_.strategy, setup(nodes), &impl_); !s)
     throw std::logic_error("runtime::Strategy: " + s.message());
   if (uses_placements() && nodes.node_of_rank.size() > 1) model.enable_placements(nodes, gather);
-}
-
-std::vector<MoeLayer*> Strategy::placed_layers(Model& model) const {
-  std::vector<MoeLayer*> layers;
+  layers_.clear();
+  index_of_block_.assign(model.n_blocks(), -1);
   for (int64_t l = 0; l < model.n_blocks(); ++l)
-    if (MoeLayer* m = model.moe_layer(l); m && m->placements_enabled()) layers.push_back(m);
-  return layers;
+    if (MoeLayer* m = model.moe_layer(l); m && m->placements_enabled()) {
+      index_of_block_[l] = static_cast<int>(layers_.size());
+      layers_.push_back(m);
+    }
 }
 
-void Strategy::before_step(Model& model, int overlap_degree) {
-  const std::vector<MoeLayer*> layers = placed_layers(model);
-  for (size_t i = 0; i < layers.size(); ++i)
-    if (std::optional<plan::LayerPlacement> p = impl_->before_step(static_cast<int>(i), layers[i]->owners(), overlap_degree))
-      layers[i]->set_placement(*p);
+void Strategy::before_step(int overlap_degree) {
+  for (size_t i = 0; i < layers_.size(); ++i)
+    if (std::optional<plan::LayerPlacement> p = impl_->before_step(static_cast<int>(i), layers_[i]->owners(), overlap_degree))
+      layers_[i]->set_placement(*p);
 }
 
-Status Strategy::place(Model& model, int64_t layer) {
-  MoeLayer* moe = model.moe_layer(layer);
-  if (!moe || !moe->placements_enabled()) return Status::ok();
-  const std::vector<MoeLayer*> layers = placed_layers(model);
-  const int i = static_cast<int>(std::find(layers.begin(), layers.end(), moe) - layers.begin());
+Status Strategy::place(int64_t block) {
+  if (block < 0 || block >= static_cast<int64_t>(index_of_block_.size()) || index_of_block_[block] < 0)
+    return Status::ok();
+  const int i = index_of_block_[block];
+  MoeLayer* moe = layers_[i];
   plan::LayerPlacement placed;
   if (impl_->after_gate(i, moe->owners(), moe->placement(), moe->routed_counts(), &placed))
     moe->set_placement(std::move(placed));
   return Status::ok();
 }
 
-int Strategy::reshard(Model& model, AdamW& opt, int64_t done) {
-  const std::vector<MoeLayer*> layers = placed_layers(model);
-  if (layers.empty()) return 0;
+int Strategy::reshard(AdamW& opt, int64_t done) {
+  if (layers_.empty()) return 0;
   std::vector<plan::LayerPlacement> owners;
-  for (MoeLayer* m : layers) owners.push_back(m->owners());
+  for (MoeLayer* m : layers_) owners.push_back(m->owners());
   const std::vector<std::vector<int>> next = impl_->reshard(done, owners);
   int moved = 0;
-  for (size_t i = 0; i < next.size() && i < layers.size(); ++i) {
-    MoeLayer& moe = *layers[i];
+  for (size_t i = 0; i < next.size() && i < layers_.size(); ++i) {
+    MoeLayer& moe = *layers_[i];
     if (next[i] == moe.owners().owner) continue;  // applied only when shards change
     std::vector<std::pair<Tensor*, Tensor*>> moments;
     for (Param* p : moe.expert_params())

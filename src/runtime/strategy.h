@@ -34,18 +34,19 @@ class Strategy {
   void configure(graph::EpStepOptions* opt) const;
   // After Model::set_expert_parallel: turns placements on in every MoE layer and sets the strategy up
   // for these ranks. nodes: node of each rank; gather: the gather lane's communicator over the ep group.
+  // The model's MoE layers are kept for the calls below (REQUIRES: model outlives this object).
   void attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather);
 
   // Before a step: each MoE layer's placement from the strategy. overlap_degree: the t of Alg. 1
   // (the same on every rank).
-  void before_step(Model& model, int overlap_degree);
-  // The body of place(l), after layer l's gate: the strategy's placement from this step's counts.
-  Status place(Model& model, int64_t layer);
+  void before_step(int overlap_degree);
+  // The body of place(l), after block l's gate: the strategy's placement from this step's counts.
+  Status place(int64_t block);
   // After a step: every MoE layer's global tokens per expert [L][E] (the same on every rank).
   void observe(const std::vector<std::vector<int64_t>>& loads) { impl_->observe(loads); }
   // After the optimizer of step `done` (1-based): moves the shards the strategy re-assigns, with their
   // AdamW moments. Collective over the ranks. Returns the experts that moved.
-  int reshard(Model& model, AdamW& opt, int64_t done);
+  int reshard(AdamW& opt, int64_t done);
 
   // Replica slots per rank and layer (hecate's m, flexmoe's reserved slots; 0 for the others).
   int replica_slots() const { return impl_->replica_slots(); }
@@ -57,12 +58,14 @@ class Strategy {
 
  private:
   strategy::Setup setup(const plan::Nodes& nodes) const;
-  // Placement-enabled MoE layers, in order (the strategy's layer index is the position here).
-  std::vector<MoeLayer*> placed_layers(Model& model) const;
 
   TrainConfig cfg_;
   strategy::CostModel cost_;
   std::unique_ptr<strategy::Strategy> impl_;
+  // From attach: the placement-enabled MoE layers in order (the strategy's layer index is the
+  // position here), and each block's position (-1: none).
+  std::vector<MoeLayer*> layers_;
+  std::vector<int> index_of_block_;
 };
 
 }  // namespace moe::runtime

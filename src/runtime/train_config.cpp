@@ -74,7 +74,6 @@ Status TrainConfig::validate() const {
   probe_setup.options.rematerialize = true;
   if (Status s = strategy::make(strategy, probe_setup, &probe); !s) return fail(s.message());
   graph::EpStepOptions graph_options;
-  graph_options.world = 2;
   probe->configure(&graph_options);
   if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
   if (device != "cpu" && device != "cuda") return fail("device '" + device + "' is not one of cpu, cuda");

@@ -26,6 +26,7 @@
 #include "model/data.h"
 #include "model/model.h"
 #include "model/optimizer.h"
+#include "moe/experts.h"
 #include "runtime/cpu_threads.h"
 #include "runtime/ep_step_bodies.h"
 #include "runtime/executor.h"
@@ -172,12 +173,9 @@ Status choose_gemm(const TrainConfig& cfg, const json& resumed_state, Ranks& ran
   } else if (const char* env = std::getenv("MOE_GEMM"); env && *env) {
     name = env, why = "forced by MOE_GEMM";
   } else if (ranks.lead()) {
-    // The six GEMMs of one expert's forward and backward at the balanced rows per expert.
-    const int64_t M = std::max<int64_t>(1, cfg.batch_size * cfg.model.seq_len * cfg.model.top_k / cfg.model.n_experts);
-    const int64_t C = cfg.model.d_model, F = cfg.model.d_ffn;
-    const std::vector<GemmShape> shapes{{false, true, M, F, C},  {false, true, M, C, F},  {false, false, M, F, C},
-                                        {true, false, C, F, M},  {false, false, M, C, F}, {true, false, F, C, M}};
-    const GemmRates rates = measure_gemm_backends(shapes, 7);
+    // One expert's GEMMs at the balanced rows per expert.
+    const int64_t rows = std::max<int64_t>(1, cfg.batch_size * cfg.model.seq_len * cfg.model.top_k / cfg.model.n_experts);
+    const GemmRates rates = measure_gemm_backends(expert_gemm_shapes(rows, cfg.model.d_model, cfg.model.d_ffn), 7);
     name = pick_gemm_backend(rates);
     why = describe_gemm_rates(rates) + " on this run's expert shapes";
   }
@@ -234,7 +232,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   strategy.configure(&gopt);
   graph::EpStep step_graph = graph::build_ep_step(cfg.model, gopt);
   runtime::PlacementHooks hooks;
-  hooks.place = [&](int64_t l) { return strategy.place(model, l); };
+  hooks.place = [&](int64_t l) { return strategy.place(l); };
   hooks.rematerialize = gopt.rematerialize;
   runtime::EpStepBodies bodies(model, step_graph, {ranks.grad_world.get(), ranks.grad_dp.get()}, hooks);
   const Fault fault = fault_from_env();
@@ -286,7 +284,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
       (long long)Bl, (long long)B);
   if (ranks.world) {
     std::string detail;
-    if (strategy.uses_placements() && strategy.replica_slots() > 0)
+    if (strategy.replica_slots() > 0)
       detail = str_cat(" (up to ", strategy.replica_slots(), " extra experts per rank and layer");
     if (!detail.empty() && strategy.gathers_behind_attention())
       detail += str_cat("; gathered behind attention: ",
@@ -369,7 +367,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     model.zero_grad();
     model.begin_step(tokens.data(), targets.data(), Bl);
     const int overlap_used = overlap_degree;
-    strategy.before_step(model, overlap_used);
+    strategy.before_step(overlap_used);
     // Forward, backward and the gradient sums (each rank's gradients are its share of the global
     // batch's, Model::set_ce_grad_scale, so their sum is the whole batch's).
     runtime::StepTimeline timeline;
@@ -512,7 +510,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
     strategy.observe(global_loads);
     int experts_moved = 0;
     try {
-      experts_moved = strategy.reshard(model, opt, done);
+      experts_moved = strategy.reshard(opt, done);
     } catch (const std::runtime_error& e) {
       return Status::error(std::string("re-sharding: ") + e.what());
     }

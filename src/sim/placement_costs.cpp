@@ -6,9 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "plan/baselines.h"
 #include "plan/hecate.h"
-#include "plan/load_predictor.h"
 #include "sim/compute.h"
 #include "strategy/strategy.h"
 #include "util/str_cat.h"
@@ -64,15 +62,13 @@ plan::LayerPlacement owned_only(const std::vector<int>& owner, int n_ranks) {
 // timed.
 class PlacementStrategy : public SimStrategy {
  public:
+  // step: build_ep_step(s.model, opt); cost: the strategy's cost model; attn_s: the mean attn_fwd time.
   PlacementStrategy(std::unique_ptr<strategy::Strategy> impl, const StrategySetup& s, const graph::EpStepOptions& opt,
-                    double attn_s)
-      : impl_(std::move(impl)), setup_(s), opt_(opt), step_(graph::build_ep_step(s.model, opt)), attn_s_(attn_s) {
+                    graph::EpStep step, const strategy::CostModel& cost, double attn_s)
+      : impl_(std::move(impl)), setup_(s), opt_(opt), step_(std::move(step)), cost_(cost), attn_s_(attn_s) {
     nodes_.node_of_rank = s.node_of_rank;
-    int moe_layers = 0;
-    for (int64_t b = 0; b < s.model.n_layers; ++b) moe_layers += s.model.is_moe_layer(b) ? 1 : 0;
-    owners_.assign(std::max(1, moe_layers), plan::even_placement(static_cast<int>(s.model.n_experts), s.ranks));
-    expert_bytes_ = strategy::make_cost_model(s.model, 1, 1).expert_bytes;
-    bandwidth_ = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
+    owners_.assign(strategy::moe_layer_count(s.model),
+                   plan::even_placement(static_cast<int>(s.model.n_experts), s.ranks));
   }
 
   void step_graphs(const StepLoad& load, std::vector<graph::StepGraph>* out) override {
@@ -80,7 +76,7 @@ class PlacementStrategy : public SimStrategy {
     const int R = setup_.ranks, E = static_cast<int>(m.n_experts);
     // t of this step: fixed, or as the trainer: 0 before any step was measured, then from attention.
     int t = setup_.placement.overlap_degree;
-    if (t < 0) t = steps_ == 0 ? 0 : plan::overlap_degree(attn_s_, bandwidth_, expert_bytes_);
+    if (t < 0) t = steps_ == 0 ? 0 : plan::overlap_degree(attn_s_, cost_.bandwidth, cost_.expert_bytes);
     std::vector<LayerStepPlacement> layers;
     std::vector<std::vector<int64_t>> global(load.size(), std::vector<int64_t>(E, 0));
     stats_ = PlacementStats{};
@@ -132,8 +128,8 @@ class PlacementStrategy : public SimStrategy {
   graph::EpStep step_;
   plan::Nodes nodes_;
   std::vector<plan::LayerPlacement> owners_;  // per MoE layer: the shards' owners now
-  int64_t expert_bytes_ = 0;
-  double attn_s_ = 0, bandwidth_ = 0;
+  strategy::CostModel cost_;
+  double attn_s_ = 0;
   int64_t steps_ = 0;
   std::vector<SparseSchedule> schedules_;
   PlacementStats stats_;
@@ -287,7 +283,7 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   probe->configure(&opt);
   // The cost model from the modeled cluster: the device's GEMM rate on the balanced expert_fwd op
   // (compute.h's efficiency curve) and the mean attn_fwd time (the trainer's t measures it).
-  const graph::EpStep step = graph::build_ep_step(s.model, opt);
+  graph::EpStep step = graph::build_ep_step(s.model, opt);
   double balanced_flops = 0, attn_s = 0;
   int n_attn = 0;
   for (const graph::Op& op : step.graph.ops) {
@@ -304,7 +300,8 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   setup.cost = strategy::make_cost_model(s.model, bandwidth, gemm_rate);
   std::unique_ptr<strategy::Strategy> impl;
   if (Status st = strategy::make(name, setup, &impl); !st) return st;
-  *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, n_attn ? attn_s / n_attn : 0);
+  *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, std::move(step), setup.cost,
+                                             n_attn ? attn_s / n_attn : 0);
   return Status::ok();
 }
 

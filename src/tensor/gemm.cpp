@@ -81,6 +81,12 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+Backend parse(const std::string& name) {
+  if (name == "onednn") return Backend::onednn;
+  if (name == "openblas") return Backend::openblas;
+  throw std::invalid_argument("gemm_with: unknown backend '" + name + "' (onednn or openblas)");
+}
+
 struct Choice {
   Backend backend = Backend::onednn;
   std::string why;
@@ -116,17 +122,13 @@ const Choice& choice() {
     const std::vector<GemmShape> shapes{{false, true, 512, 1024, 512}, {false, false, 512, 512, 1024},
                                         {true, false, 1024, 512, 512}};
     const GemmRates rates = measure_gemm_backends(shapes, 5);
-    c.backend = pick_gemm_backend(rates) == "onednn" ? Backend::onednn : Backend::openblas;
-    c.why = pick_gemm_backend(rates) + " (" + describe_gemm_rates(rates) + ")";
+    const std::string name = pick_gemm_backend(rates);
+    c.backend = parse(name);
+    c.why = name + " (" + describe_gemm_rates(rates) + ")";
   });
   return c;
 }
 
-Backend parse(const std::string& name) {
-  if (name == "onednn") return Backend::onednn;
-  if (name == "openblas") return Backend::openblas;
-  throw std::invalid_argument("gemm_with: unknown backend '" + name + "' (onednn or openblas)");
-}
 
 }  // namespace
 
