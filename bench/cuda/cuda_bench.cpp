@@ -5,18 +5,23 @@
 // timed with CUDA events on the context's stream):
 //   dense GEMM        [M,K] x [K,N] for a square 8192 shape and for each expert shape's merged
 //                     product: the reference rate
-//   grouped GEMM      the experts' first GEMM (rows x C -> F per expert) over expert-contiguous rows,
-//                     balanced and Zipf(1.0)-skewed: one cublasGemmGroupedBatchedEx call, and the
-//                     same products one cublasGemmEx per expert (looped); "vs dense" = grouped
-//                     TFLOP/s / the dense TFLOP/s of one GEMM with the same total rows (same FLOPs)
+//   experts GEMM      the experts' first GEMM (rows x C -> F per expert) over expert-contiguous rows,
+//                     balanced and Zipf(1.0)-skewed, each way cuda::grouped_gemm can run it (one
+//                     cublasGemmGroupedBatchedEx call; per expert on n lanes; r-row chunks in one
+//                     cublasGemmBatchedEx) and one cublasGemmEx per expert on one stream; "vs dense" =
+//                     its TFLOP/s / the dense TFLOP/s of one GEMM with the same total rows (same FLOPs)
 //   MoE layer         cuda::MoeLayer forward + backward (router, permute, grouped GEMMs, GELU,
-//                     combine); "vs dense" = its time / the time the dense rate gives its FLOPs
-//                     (goal <= 1.3); tokens/s
+//                     combine), the default way and with the grouped call; "vs dense" = its time /
+//                     the time the dense rate gives its FLOPs (goal <= 1.3); tokens/s
+//   PyTorch           the same layer in PyTorch eager on the same GPU, bf16 (bench/torch_moe_layer_peer.py:
+//                     a loop over experts, and torch._grouped_mm), and moe's speed over it
 //   sim               sim::op_time on the h100x8-hgx preset's device (presets.cpp: the H100 SXM
 //                     datasheet) for the same FLOPs and bytes; error = predicted / measured - 1
 // Goals (issue 6): grouped >= 70% of the dense rate; MoE layer <= 1.3x dense; sim within 10%.
 // Without a GPU it says so and exits 1.
 #include <cuda_runtime_api.h>
+
+#include <cstdlib>
 
 #include <algorithm>
 #include <cmath>
@@ -27,12 +32,16 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "bench/bench.h"
 #include "cuda/device.h"
 #include "cuda/moe_layer.h"
 #include "cuda/ops.h"
 #include "sim/compute.h"
 #include "sim/simulate.h"
+#include "util/shell.h"
+#include "util/str_cat.h"
 
 namespace moe::bench {
 
@@ -105,6 +114,22 @@ struct ExpertShape {
 
 double tflops(double flops, double s) { return flops / s / 1e12; }
 
+// PyTorch's MoE layer (bench/torch_moe_layer_peer.py) on this GPU in bf16, forward + backward; false
+// where it cannot run. python3 from PATH (the GPU machines' PyTorch), or MOE_PYTHON.
+bool run_torch_peer(const ExpertShape& sh, const char* impl, int repeats, double* fwdbwd_ms, std::string* version) {
+  const char* py = std::getenv("MOE_PYTHON");
+  const char* dir = std::getenv("MOE_BENCH_DIR");
+  const std::string script = dir ? str_cat(dir, "/torch_moe_layer_peer.py") : str_cat(MOE_SOURCE_DIR, "/bench/torch_moe_layer_peer.py");
+  const ShellResult r = run_shell(str_cat(py ? py : "python3", " ", script, " --device cuda --dtype bf16 --impl ", impl,
+                                          " --d-model ", sh.C, " --d-ffn ", sh.F, " --experts ", sh.E, " --top-k ", sh.K,
+                                          " --tokens ", sh.tokens, " --repeats ", repeats, " 2>/dev/null"));
+  const nlohmann::json j = nlohmann::json::parse(r.output, nullptr, false);
+  if (r.exit_code != 0 || j.is_discarded() || !j.contains("forward_backward_ms")) return false;
+  *fwdbwd_ms = j["forward_backward_ms"].get<double>();
+  *version = j.value("torch", "?");
+  return true;
+}
+
 }  // namespace
 
 int cuda_kernels(const BenchOptions& opt) {
@@ -169,21 +194,37 @@ int cuda_kernels(const BenchOptions& opt) {
     if (Status s = y.allocate(R * sh.F * 2); !s) return fail(s);
     if (Status s = fill_random_bf16(*ctx, x.get(), x.bytes(), 3); !s) return fail(s);
     if (Status s = fill_random_bf16(*ctx, w.get(), w.bytes(), 4); !s) return fail(s);
+    // The experts' products each way grouped_gemm can run them (Context lanes and chunk rows): one
+    // cublasGemmGroupedBatchedEx call; one cublasGemmEx per expert on n concurrent lanes; full chunks
+    // of r rows, partial ones padded, as one cublasGemmBatchedEx; and, for reference, the
+    // same per-expert GEMMs one after another on one stream ("looped").
+    const int default_lanes = ctx->grouped_gemm_lanes(), default_chunk = ctx->grouped_gemm_chunk_rows();
+    const struct {
+      int lanes, chunk_rows;  // lanes < 0: looped
+    } ways[] = {{0, 0}, {2, 0}, {4, 0}, {8, 0}, {4, 64}, {4, 128}, {4, 256}, {-1, 0}};
     for (bool skewed : {false, true}) {
       const std::vector<int64_t> off = expert_offsets(R, sh.E, skewed);
-      for (bool looped : {false, true}) {
+      for (const auto& way : ways) {
         double t = 0;
+        ctx->set_grouped_gemm_lanes(std::max(way.lanes, 0));
+        ctx->set_grouped_gemm_chunk_rows(way.chunk_rows);
         Status st = time_it(*ctx, repeats, 10, [&] {
-          return looped ? cuda::grouped_gemm_looped(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(), sh.E,
-                                                    sh.C, sh.F, 1.0f, 0.0f)
-                        : cuda::grouped_gemm(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(), sh.E, sh.C,
-                                             sh.F, 1.0f, 0.0f);
+          return way.lanes < 0 ? cuda::grouped_gemm_looped(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(),
+                                                           sh.E, sh.C, sh.F, 1.0f, 0.0f)
+                               : cuda::grouped_gemm(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(),
+                                                    sh.E, sh.C, sh.F, 1.0f, 0.0f);
         }, &t);
         if (!st) return fail(st);
-        row(std::string("  ") + (looped ? "looped" : "grouped") + " GEMM, " + (skewed ? "zipf 1.0" : "balanced"), flops,
-            bytes, t, merged_s / t);
+        std::string how = way.lanes < 0    ? "looped, one stream"
+                          : way.lanes == 0 ? "cuBLAS grouped call"
+                                           : str_cat(way.lanes, " lanes");
+        if (way.chunk_rows > 0) how = str_cat(way.chunk_rows, "-row chunks, one batched call");
+        if (way.lanes == default_lanes && way.chunk_rows == default_chunk) how += " (default)";
+        row(str_cat("  experts GEMM, ", skewed ? "zipf 1.0, " : "balanced, ", how), flops, bytes, t, merged_s / t);
       }
     }
+    ctx->set_grouped_gemm_lanes(default_lanes);
+    ctx->set_grouped_gemm_chunk_rows(default_chunk);
     // The whole layer, forward + backward.
     std::unique_ptr<cuda::MoeLayer> layer;
     if (Status s = cuda::MoeLayer::create(*ctx, DType::bf16, {sh.C, sh.F, sh.E, sh.K, true}, sh.tokens, &layer); !s)
@@ -205,18 +246,44 @@ int cuda_kernels(const BenchOptions& opt) {
     if (Status s = fill_random_bf16(*ctx, lx.get(), lx.bytes(), 8); !s) return fail(s);
     // backward adds into dx; cudaMalloc leaves whatever was there (NaNs would time other paths)
     if (Status s = cuda::fill_zero(*ctx, ldx.get(), static_cast<int64_t>(ldx.bytes())); !s) return fail(s);
-    double layer_s = 0;
-    Status st = time_it(*ctx, repeats, 3, [&] {
-      if (Status s = layer->forward(ly.get(), lx.get(), sh.tokens); !s) return s;
-      return layer->backward(ldx.get(), ly.get());
-    }, &layer_s);
-    if (!st) return fail(st);
+    // Warm-up pass: it also routes the tokens, which the layer's FLOP count depends on.
+    if (Status s = layer->forward(ly.get(), lx.get(), sh.tokens); !s) return fail(s);
+    if (Status s = layer->backward(ldx.get(), ly.get()); !s) return fail(s);
+    if (Status s = ctx->synchronize(); !s) return fail(s);
     const double layer_flops = layer->flops_forward_backward();
     const double dense_equiv_s = layer_flops / (flops / merged_s);
     const double layer_bytes = 3.0 * 2.0 * (sh.tokens * sh.C * 4 + 3.0 * R * sh.C + 3.0 * R * sh.F + 2.0 * sh.E * sh.C * sh.F);
-    row("  MoE layer forward+backward", layer_flops, layer_bytes, layer_s, layer_s / dense_equiv_s);
-    std::printf("  MoE layer: %.0f tokens/s forward+backward; vs dense = time / (its FLOPs at the dense rate above)\n",
-                sh.tokens / layer_s);
+    double layer_s = 0;
+    for (const auto& way : {std::pair{default_lanes, default_chunk}, std::pair{0, 0}}) {
+      ctx->set_grouped_gemm_lanes(way.first);
+      ctx->set_grouped_gemm_chunk_rows(way.second);
+      double t = 0;
+      Status st = time_it(*ctx, repeats, 3, [&] {
+        if (Status s = layer->forward(ly.get(), lx.get(), sh.tokens); !s) return s;
+        return layer->backward(ldx.get(), ly.get());
+      }, &t);
+      if (!st) return fail(st);
+      const bool is_default = way.first == default_lanes && way.second == default_chunk;
+      if (is_default) layer_s = t;
+      row(is_default ? "  MoE layer fwd+bwd (default)" : "  MoE layer fwd+bwd, cuBLAS grouped call", layer_flops,
+          layer_bytes, t, t / dense_equiv_s);
+    }
+    ctx->set_grouped_gemm_lanes(default_lanes);
+    ctx->set_grouped_gemm_chunk_rows(default_chunk);
+    std::printf("  MoE layer: %.0f tokens/s forward+backward\n", sh.tokens / layer_s);
+    // PyTorch eager on the same GPU, same shapes, bf16: the per-expert loop most PyTorch MoE code is, and
+    // the experts as torch._grouped_mm calls. Same FLOPs as ours (the router's are a rounding error).
+    for (const char* impl : {"loop", "grouped_mm"}) {
+      double peer_ms = 0;
+      std::string torch_version;
+      if (!run_torch_peer(sh, impl, repeats, &peer_ms, &torch_version)) {
+        std::printf("  PyTorch %s: could not run (python3 with torch and a GPU; MOE_PYTHON names another)\n", impl);
+        continue;
+      }
+      row(str_cat("  PyTorch ", torch_version, " eager, ", impl), layer_flops, layer_bytes, peer_ms * 1e-3,
+          peer_ms * 1e-3 / dense_equiv_s);
+      std::printf("  moe vs PyTorch %s: %.2fx its tokens/s\n", impl, peer_ms * 1e-3 / layer_s);
+    }
   }
   std::printf("\nvs dense: GEMM rows = grouped TFLOP/s over the same-FLOPs dense GEMM's (goal >= 0.70); MoE layer row =\n"
               "its time over the dense time for its FLOPs (goal <= 1.30). sim err = sim::op_time / measured - 1.\n");

@@ -22,6 +22,20 @@ Status cublas_status(cublasStatus_t st, const char* what) {
   return Status::error(str_cat(what, ": ", cublasGetStatusName(st), " (", cublasGetStatusString(st), ")"));
 }
 
+// A cuBLAS handle on `stream` with `workspace`, computing as ops.h promises.
+Status configure_cublas(cublasHandle_t h, cudaStream_t stream, const DeviceBuffer& workspace) {
+  if (Status s = cublas_status(cublasSetStream(h, stream), "cublasSetStream"); !s) return s;
+  // By default a GEMM with bf16 output may add its split-K partial sums in bf16; ops.h promises one
+  // rounding of an f32 sum (the weight gradients, whose K is every token, are the likely split-K case).
+  if (Status s = cublas_status(
+          cublasSetMathMode(h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                                         CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+          "cublasSetMathMode");
+      !s)
+    return s;
+  return cublas_status(cublasSetWorkspace(h, workspace.get(), workspace.bytes()), "cublasSetWorkspace");
+}
+
 std::string gib(size_t bytes) {
   char b[32];
   std::snprintf(b, sizeof b, "%.2f GiB", static_cast<double>(bytes) / (1u << 30));
@@ -96,25 +110,48 @@ Status Context::create(int device, std::unique_ptr<Context>* out) {
   if (Status s = cublas_status(cublasCreate(&ctx->cublas_), "cublasCreate"); !s) return s;
   if (Status s = cublas_status(cublasLtCreate(&ctx->cublas_lt_), "cublasLtCreate"); !s) return s;
   if (Status s = ctx->workspace_.allocate(kCublasWorkspaceBytes); !s) return s;
-  if (Status s = cublas_status(cublasSetStream(ctx->cublas_, ctx->stream_), "cublasSetStream"); !s) return s;
-  // By default a GEMM with bf16 output may add its split-K partial sums in bf16; ops.h promises one
-  // rounding of an f32 sum (the weight gradients, whose K is every token, are the likely split-K case).
-  if (Status s = cublas_status(cublasSetMathMode(ctx->cublas_, static_cast<cublasMath_t>(
-                                                                   CUBLAS_DEFAULT_MATH |
-                                                                   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
-                               "cublasSetMathMode");
-      !s)
-    return s;
-  if (Status s = cublas_status(cublasSetWorkspace(ctx->cublas_, ctx->workspace_.get(), ctx->workspace_.bytes()),
-                               "cublasSetWorkspace");
-      !s)
-    return s;
+  if (Status s = configure_cublas(ctx->cublas_, ctx->stream_, ctx->workspace_); !s) return s;
   *out = std::move(ctx);
+  return Status::ok();
+}
+
+Status Context::lanes(int n, Lane** out) {
+  if (n > lane_count_) {
+    MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");  // the old lanes may still run
+    std::unique_ptr<Lane[]> grown(new Lane[n]);
+    for (int i = 0; i < lane_count_; ++i) std::swap(grown[i], lanes_[i]);
+    for (int i = lane_count_; i < n; ++i) {
+      Lane& l = grown[i];
+      MOE_CUDA_TRY(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "cudaStreamCreate (lane)");
+      MOE_CUDA_TRY(cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming), "cudaEventCreate (lane)");
+      if (Status s = cublas_status(cublasCreate(&l.cublas), "cublasCreate (lane)"); !s) return s;
+      if (Status s = l.workspace.allocate(kCublasWorkspaceBytes); !s) return s;
+      if (Status s = configure_cublas(l.cublas, l.stream, l.workspace); !s) return s;
+    }
+    lanes_ = std::move(grown);
+    lane_count_ = n;
+  }
+  *out = lanes_.get();
+  return Status::ok();
+}
+
+Status Context::fork_event(cudaEvent_t* out) {
+  if (!fork_) MOE_CUDA_TRY(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate (fork)");
+  MOE_CUDA_TRY(cudaEventRecord(fork_, stream_), "cudaEventRecord (fork)");
+  *out = fork_;
   return Status::ok();
 }
 
 Context::~Context() {
   if (stream_) cudaStreamSynchronize(stream_);
+  for (int i = 0; i < lane_count_; ++i) {
+    Lane& l = lanes_[i];
+    cudaStreamSynchronize(l.stream);
+    cublasDestroy(l.cublas);
+    cudaEventDestroy(l.done);
+    cudaStreamDestroy(l.stream);
+  }
+  if (fork_) cudaEventDestroy(fork_);
   if (cublas_lt_) cublasLtDestroy(cublas_lt_);
   if (cublas_) cublasDestroy(cublas_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -132,6 +169,15 @@ Status Context::pointer_scratch(size_t bytes, void** out) {
     if (Status s = pointers_.allocate(bytes); !s) return s;
   }
   *out = pointers_.get();
+  return Status::ok();
+}
+
+Status Context::chunk_scratch(size_t bytes, void** out) {
+  if (chunks_.bytes() < bytes) {
+    MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");  // queued GEMMs may still use it
+    if (Status s = chunks_.allocate(bytes); !s) return s;
+  }
+  *out = chunks_.get();
   return Status::ok();
 }
 

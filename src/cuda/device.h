@@ -88,12 +88,37 @@ class Context {
   void set_tf32(bool on) { tf32_ = on; }
   bool tf32() const { return tf32_; }
 
+  // How grouped_gemm (ops.h) runs the experts' products: 0, one cublasGemmGroupedBatchedEx call; n >= 1,
+  // one cublasGemmEx per expert spread over n side streams ("lanes") that run concurrently, joined
+  // back into stream() with events. Either way each product is one deterministic cuBLAS GEMM.
+  void set_grouped_gemm_lanes(int n) { grouped_lanes_ = n < 0 ? 0 : n; }
+  int grouped_gemm_lanes() const { return grouped_lanes_; }
+  // grouped_gemm (not the weight gradients, whose rows are the sum) may instead cut every expert's
+  // rows into chunks of this many rows and run them all as one cublasGemmBatchedEx call: the full
+  // chunks in place, each expert's last partial chunk copied into a padded chunk and back. 0: no chunks.
+  void set_grouped_gemm_chunk_rows(int rows) { chunk_rows_ = rows < 0 ? 0 : rows; }
+  int grouped_gemm_chunk_rows() const { return chunk_rows_; }
+
+  // Side stream i (i < n) for concurrent GEMMs, with a cuBLAS handle and workspace of its own (a
+  // handle's workspace must not be shared by kernels that may run at once). Created on first use.
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    cublasHandle_t cublas = nullptr;
+    cudaEvent_t done = nullptr;
+    DeviceBuffer workspace;
+  };
+  Status lanes(int n, Lane** out);
+  // Records an event on stream() that lanes wait on before starting (the fork of a fork-join).
+  Status fork_event(cudaEvent_t* out);
+
   // Blocks until the stream's work is done; returns the first asynchronous error.
   Status synchronize();
 
   // Device scratch for the grouped GEMM's pointer arrays: at least `bytes`, grown as needed.
   // Stream-ordered reuse: a later call on the same stream may overwrite what an earlier one staged.
   Status pointer_scratch(size_t bytes, void** out);
+  // Device scratch for the grouped GEMM's padded chunks: the same contract, a buffer of its own.
+  Status chunk_scratch(size_t bytes, void** out);
   // Device scratch for the partial sums of two-pass reductions (kernel_util.cuh's users): the same
   // contract, a buffer of its own.
   Status reduction_scratch(size_t bytes, void** out);
@@ -107,7 +132,17 @@ class Context {
   DeviceBuffer workspace_;
   DeviceBuffer pointers_;
   DeviceBuffer partials_;
+  DeviceBuffer chunks_;
   bool tf32_ = false;
+  int grouped_lanes_ = kDefaultGroupedLanes;
+  int chunk_rows_ = kDefaultChunkRows;
+  std::unique_ptr<Lane[]> lanes_;
+  int lane_count_ = 0;
+  cudaEvent_t fork_ = nullptr;
+
+ public:
+  static constexpr int kDefaultGroupedLanes = 4;
+  static constexpr int kDefaultChunkRows = 128;
 };
 
 // Host <-> device copies on ctx's stream, synchronous to the host (they return when done).

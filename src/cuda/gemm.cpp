@@ -5,7 +5,9 @@
 // the same call with the operands swapped and M, N swapped, transpose flags unchanged.
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstring>
 #include <vector>
 
 #include "cuda/ops.h"
@@ -111,14 +113,131 @@ Status check_offsets(const char* what, const int64_t* off, int64_t E) {
   return Status::ok();
 }
 
-// The products as one cublasGemmGroupedBatchedEx call: one group per product (group size 1, since
-// the row counts differ). Falls back to one call per product where cuBLAS does not support the
-// type combination (it reports CUBLAS_STATUS_NOT_SUPPORTED).
 int64_t grouped_fallbacks = 0;  // grouped_gemm_fallbacks()
 
+// Every product cut into chunks of `rows` rows, all run as one cublasGemmBatchedEx call on
+// ctx.stream(): the full chunks in place; each product's last partial chunk through a padded chunk
+// in scratch (its rows gathered in, the GEMM over all `rows` rows, the real rows scattered back; the
+// padding repeats the chunk's first row, so it is finite, and is dropped). Only for products whose
+// rows are independent (grouped_gemm; not the weight gradients, which sum over the rows). X and Y are
+// the products' common input [R,Kin] and output [R,Nout].
+Status run_chunked(Context& ctx, DType dt, const std::vector<RowMajorGemm>& gs, int64_t rows, const void* X,
+                   void* Y, int64_t Kin, int64_t Nout, float alpha, float beta, const char* what) {
+  const int64_t esz = static_cast<int64_t>(dtype_size(dt));
+  auto row_of = [&](const void* p, const void* base, int64_t width) {
+    return static_cast<int32_t>((static_cast<const char*>(p) - static_cast<const char*>(base)) / (width * esz));
+  };
+  std::vector<RowMajorGemm> chunks, partial;
+  for (const RowMajorGemm& g : gs) {
+    const int64_t full = g.M / rows;
+    for (int64_t c = 0; c <= full; ++c) {
+      RowMajorGemm p = g;
+      p.M = c < full ? rows : g.M % rows;
+      if (p.M == 0) continue;
+      p.A = static_cast<const char*>(g.A) + c * rows * g.lda * esz;
+      p.C = static_cast<char*>(g.C) + c * rows * g.ldc * esz;
+      (c < full ? chunks : partial).push_back(p);
+    }
+  }
+  // Device scratch: [padded X: partials x rows x Kin][padded Y: partials x rows x Nout]. The pointer
+  // arrays and both row indices go over in one copy (each pageable copy costs a round trip).
+  const int64_t P = static_cast<int64_t>(partial.size()), padded_rows = P * rows;
+  const size_t x_bytes = (static_cast<size_t>(padded_rows * Kin * esz) + 255) / 256 * 256;
+  void* scratch = nullptr;
+  if (P > 0)
+    if (Status s = ctx.chunk_scratch(x_bytes + static_cast<size_t>(padded_rows * Nout * esz), &scratch); !s) return s;
+  char* x_pad = static_cast<char*>(scratch);
+  char* y_pad = x_pad + x_bytes;
+  std::vector<int32_t> gather(static_cast<size_t>(padded_rows)), scatter(static_cast<size_t>(padded_rows));
+  for (int64_t i = 0; i < P; ++i) {
+    const RowMajorGemm& p = partial[i];
+    const int32_t r0 = row_of(p.A, X, Kin);
+    for (int64_t j = 0; j < rows; ++j) {
+      gather[i * rows + j] = j < p.M ? r0 + static_cast<int32_t>(j) : r0;
+      scatter[i * rows + j] = j < p.M ? r0 + static_cast<int32_t>(j) : -1;  // the padding is dropped
+    }
+    RowMajorGemm padded = p;
+    padded.M = rows;
+    padded.A = x_pad + i * rows * Kin * esz;
+    padded.C = y_pad + i * rows * Nout * esz;
+    chunks.push_back(padded);
+  }
+  // Every chunk has the same shape, transposes and leading dimensions: they differ only in where
+  // they point.
+  const size_t n = chunks.size();
+  std::vector<char> staged(3 * n * sizeof(void*) + 2 * gather.size() * 4);
+  const void** ptrs = reinterpret_cast<const void**>(staged.data());
+  for (size_t i = 0; i < n; ++i) ptrs[i] = chunks[i].B, ptrs[n + i] = chunks[i].A, ptrs[2 * n + i] = chunks[i].C;
+  std::memcpy(staged.data() + 3 * n * sizeof(void*), gather.data(), gather.size() * 4);
+  std::memcpy(staged.data() + 3 * n * sizeof(void*) + gather.size() * 4, scatter.data(), scatter.size() * 4);
+  void* dev = nullptr;
+  if (Status s = ctx.pointer_scratch(staged.size(), &dev); !s) return s;
+  MOE_CUDA_TRY(cudaMemcpyAsync(dev, staged.data(), staged.size(), cudaMemcpyHostToDevice, ctx.stream()),
+               str_cat(what, ": staging pointers"));
+  const void* const* first = static_cast<const void* const*>(dev);
+  const int32_t* gather_dev = reinterpret_cast<const int32_t*>(first + 3 * n);
+  const int32_t* scatter_dev = gather_dev + padded_rows;
+  if (P > 0) {
+    if (Status s = gather_rows(ctx, dt, x_pad, X, gather_dev, padded_rows, Kin); !s) return s;
+    if (beta != 0.0f)
+      if (Status s = gather_rows(ctx, dt, y_pad, Y, gather_dev, padded_rows, Nout); !s) return s;
+  }
+  const RowMajorGemm& g = chunks.front();
+  if (Status s = check_dims(what, g); !s) return s;
+  const cudaDataType_t t = cuda_type(dt);
+  if (Status s = cublas_status(
+          cublasGemmBatchedEx(ctx.cublas(), op(g.trans_b), op(g.trans_a), static_cast<int>(g.N), static_cast<int>(g.M),
+                              static_cast<int>(g.K), &alpha, first, t, static_cast<int>(g.ldb), first + n, t,
+                              static_cast<int>(g.lda), &beta, const_cast<void* const*>(first + 2 * n), t,
+                              static_cast<int>(g.ldc), static_cast<int>(n), compute_type(ctx, dt), CUBLAS_GEMM_DEFAULT),
+          what);
+      !s)
+    return s;
+  return scatter_rows(ctx, dt, Y, y_pad, scatter_dev, padded_rows, Nout);
+}
+
+// The products as one cublasGemmEx each, spread over n lanes (Context::lanes) that run at once: the
+// largest first, each to the lane with the least work so far. The lanes start after what is queued
+// on ctx.stream(), and ctx.stream() continues after all of them.
+Status run_on_lanes(Context& ctx, DType dt, std::vector<RowMajorGemm> gs, int n, float alpha, float beta,
+                    const char* what) {
+  n = std::min<int>(n, static_cast<int>(gs.size()));
+  Context::Lane* lanes = nullptr;
+  if (Status s = ctx.lanes(n, &lanes); !s) return s;
+  cudaEvent_t fork = nullptr;
+  if (Status s = ctx.fork_event(&fork); !s) return s;
+  for (int i = 0; i < n; ++i) MOE_CUDA_TRY(cudaStreamWaitEvent(lanes[i].stream, fork), str_cat(what, ": lane wait"));
+  auto work = [](const RowMajorGemm& g) { return double(g.M) * double(g.N) * double(g.K); };
+  std::stable_sort(gs.begin(), gs.end(), [&](const RowMajorGemm& a, const RowMajorGemm& b) { return work(a) > work(b); });
+  std::vector<double> load(n, 0.0);
+  const cudaDataType_t t = cuda_type(dt);
+  for (const RowMajorGemm& g : gs) {
+    if (Status s = check_dims(what, g); !s) return s;
+    const int i = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[i] += work(g);
+    if (Status s = cublas_status(
+            cublasGemmEx(lanes[i].cublas, op(g.trans_b), op(g.trans_a), static_cast<int>(g.N), static_cast<int>(g.M),
+                         static_cast<int>(g.K), &alpha, g.B, t, static_cast<int>(g.ldb), g.A, t,
+                         static_cast<int>(g.lda), &beta, g.C, t, static_cast<int>(g.ldc), compute_type(ctx, dt),
+                         CUBLAS_GEMM_DEFAULT),
+            what);
+        !s)
+      return s;
+  }
+  for (int i = 0; i < n; ++i) {
+    MOE_CUDA_TRY(cudaEventRecord(lanes[i].done, lanes[i].stream), str_cat(what, ": lane done"));
+    MOE_CUDA_TRY(cudaStreamWaitEvent(ctx.stream(), lanes[i].done), str_cat(what, ": join"));
+  }
+  return Status::ok();
+}
+
+// The products on lanes (Context::grouped_gemm_lanes() > 0), or else as one cublasGemmGroupedBatchedEx
+// call: one group per product (group size 1, since the row counts differ), falling back to one call
+// per product where cuBLAS does not support the type combination (it reports CUBLAS_STATUS_NOT_SUPPORTED).
 Status run_grouped(Context& ctx, DType dt, const std::vector<RowMajorGemm>& gs, float alpha, float beta,
                    const char* what) {
   if (gs.empty()) return Status::ok();
+  if (ctx.grouped_gemm_lanes() > 0) return run_on_lanes(ctx, dt, gs, ctx.grouped_gemm_lanes(), alpha, beta, what);
   const size_t n = gs.size();
   std::vector<cublasOperation_t> ta(n), tb(n);
   std::vector<int> m(n), nn(n), k(n), lda(n), ldb(n), ldc(n), group_size(n, 1);
@@ -193,6 +312,8 @@ Status grouped_gemm(Context& ctx, DType dt, bool trans_w, void* Y, const void* X
   std::vector<RowMajorGemm> gs;
   for (int64_t e = 0; e < E; ++e)
     if (off[e + 1] > off[e]) gs.push_back(expert_product(dt, trans_w, Y, X, W, off, e, Kin, Nout));
+  if (!gs.empty() && ctx.grouped_gemm_chunk_rows() > 0)
+    return run_chunked(ctx, dt, gs, ctx.grouped_gemm_chunk_rows(), X, Y, Kin, Nout, alpha, beta, "cuda grouped_gemm");
   return run_grouped(ctx, dt, gs, alpha, beta, "cuda grouped_gemm");
 }
 

@@ -42,8 +42,10 @@ Status linear_backward(Context& ctx, DType dt, void* dinp /*[N,IC] or null*/, vo
                        int64_t N, int64_t IC, int64_t OC);
 
 // ---- grouped expert GEMM -------------------------------------------------------------------------
-// One GEMM per expert over expert-contiguous rows, in one cuBLAS grouped call
-// (cublasGemmGroupedBatchedEx): for every e with rows = off[e+1] - off[e] > 0,
+// One GEMM per expert over expert-contiguous rows, run as Context::grouped_gemm_chunk_rows() and
+// grouped_gemm_lanes() say (device.h: equal row chunks in one cublasGemmBatchedEx call, the default;
+// per-expert cublasGemmEx on concurrent streams; or one cublasGemmGroupedBatchedEx call): for every e
+// with rows = off[e+1] - off[e] > 0,
 //   Y[off[e]:off[e+1], :] = alpha * X[off[e]:off[e+1], :] (Kin) x op(W[e]) + beta * Y[...]
 // where W[e] is [Nout, Kin] (a PyTorch linear weight, trans_w = true: the forward) or [Kin, Nout]
 // (trans_w = false: the backward's dX = dY W). `off` is a HOST array of E+1 non-decreasing offsets
@@ -51,7 +53,8 @@ Status linear_backward(Context& ctx, DType dt, void* dinp /*[N,IC] or null*/, vo
 Status grouped_gemm(Context& ctx, DType dt, bool trans_w, void* Y /*[R,Nout]*/, const void* X /*[R,Kin]*/,
                     const void* W /*[E,*]*/, const int64_t* off /*host [E+1]*/, int64_t E, int64_t Kin, int64_t Nout,
                     float alpha, float beta);
-// The weight gradients of the same: for every e with rows > 0,
+// The weight gradients of the same (per expert on the lanes, or the grouped call; never chunks, since
+// they sum over the rows): for every e with rows > 0,
 //   dW[e] ([Nout, Kin]) = alpha * dY[off[e]:off[e+1]]^T X[off[e]:off[e+1]] + beta * dW[e].
 Status grouped_gemm_weight_grad(Context& ctx, DType dt, void* dW /*[E,Nout,Kin]*/, const void* dY /*[R,Nout]*/,
                                 const void* X /*[R,Kin]*/, const int64_t* off /*host [E+1]*/, int64_t E, int64_t Kin,
@@ -159,6 +162,10 @@ Status cross_entropy_backward(Context& ctx, DType dt, void* dlogits /*[N,V]*/, c
 // Dispatch: out[r] = inp[index[r]] (tokens to expert-contiguous rows).
 Status gather_rows(Context& ctx, DType dt, void* out /*[R,C]*/, const void* inp /*[N,C]*/, const int32_t* index /*[R]*/,
                    int64_t R, int64_t C);
+// Its inverse where index[r] >= 0: out[index[r]] = inp[r]; rows with index -1 are skipped. The
+// indices >= 0 must be distinct (no two rows write one row).
+Status scatter_rows(Context& ctx, DType dt, void* out /*[N,C]*/, const void* inp /*[R,C]*/, const int32_t* index /*[R]*/,
+                    int64_t R, int64_t C);
 // Combine with gate scaling, fused: y[n] (+)= sum_k weight[n,k] * rows[token_rows[n,k]] over the k
 // with token_rows[n,k] >= 0 (a dropped assignment is -1), summed in k order; one thread block per
 // token, so no atomics. accumulate = false overwrites y.

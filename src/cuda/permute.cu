@@ -18,6 +18,13 @@ __global__ void gather_rows_kernel(T* out, const T* inp, const int32_t* index, i
 }
 
 template <typename T>
+__global__ void scatter_rows_kernel(T* out, const T* inp, const int32_t* index, int64_t C) {
+  if (index[blockIdx.x] < 0) return;
+  const int64_t dst = static_cast<int64_t>(index[blockIdx.x]) * C, src = blockIdx.x * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) out[dst + c] = inp[src + c];
+}
+
+template <typename T>
 __global__ void combine_rows_kernel(T* y, const T* rows, const int32_t* token_rows, const float* weight, int64_t K,
                                     int64_t C, bool accumulate) {
   const int64_t n = blockIdx.x;
@@ -61,6 +68,15 @@ Status gather_rows(Context& ctx, DType dt, void* out, const void* inp, const int
     gather_rows_kernel<T><<<static_cast<unsigned>(R), kThreads, 0, ctx.stream()>>>(
         static_cast<T*>(out), static_cast<const T*>(inp), index, C);
     return launched("gather_rows");
+  });
+}
+
+Status scatter_rows(Context& ctx, DType dt, void* out, const void* inp, const int32_t* index, int64_t R, int64_t C) {
+  if (R == 0) return Status::ok();
+  return dispatch(dt, [&]<typename T>() {
+    scatter_rows_kernel<T><<<static_cast<unsigned>(R), kThreads, 0, ctx.stream()>>>(
+        static_cast<T*>(out), static_cast<const T*>(inp), index, C);
+    return launched("scatter_rows");
   });
 }
 

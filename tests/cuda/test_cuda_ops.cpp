@@ -157,21 +157,15 @@ TEST_P(CudaOps, LinearForwardBackward) {
 }
 
 TEST_P(CudaOps, GroupedExpertGemmMatchesPerExpertLinear) {
-  // 6 experts, two of them with no rows: the grouped call must skip them.
+  // 6 experts, two of them with no rows: every way of running them must skip those.
   const int64_t E = 6, C = 64, F = 96;
   const std::vector<int64_t> off = {0, 13, 13, 40, 41, 41, 70};
   const int64_t R = off.back();
-  Vec x = in(R * C, 1), w1 = in(E * F * C, 2), dh = in(R * F, 3), w2 = in(E * C * F, 4);
-  void *gx = upload(x), *gw1 = upload(w1), *gdh = upload(dh), *gw2 = upload(w2);
-  void *gh = upload(Vec(R * F)), *gh_loop = upload(Vec(R * F)), *gdx = upload(Vec(R * C));
-  Vec dw1 = in(E * F * C, 5);
-  void* gdw1 = upload(dw1);
-  // forward: h = x w1[e]^T;  backward: dx = dh w1[e];  dw1[e] += dh^T x
-  ASSERT_TRUE(grouped_gemm(*ctx_, dt_, true, gh, gx, gw1, off.data(), E, C, F, 1.0f, 0.0f).is_ok());
-  ASSERT_TRUE(grouped_gemm_looped(*ctx_, dt_, true, gh_loop, gx, gw1, off.data(), E, C, F, 1.0f, 0.0f).is_ok());
-  ASSERT_TRUE(grouped_gemm(*ctx_, dt_, false, gdx, gdh, gw1, off.data(), E, F, C, 1.0f, 0.0f).is_ok());
-  ASSERT_TRUE(grouped_gemm_weight_grad(*ctx_, dt_, gdw1, gdh, gx, off.data(), E, C, F, 1.0f, 1.0f).is_ok());
-  Vec h(R * F), dx(R * C);
+  Vec x = in(R * C, 1), w1 = in(E * F * C, 2), dh = in(R * F, 3);
+  const Vec dw1_start = in(E * F * C, 5);
+  void *gx = upload(x), *gw1 = upload(w1), *gdh = upload(dh);
+  // The CPU reference: forward h = x w1[e]^T;  backward dx = dh w1[e];  dw1[e] += dh^T x
+  Vec h(R * F), dx(R * C), dw1 = dw1_start;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = off[e], n = off[e + 1] - off[e];
     if (n == 0) continue;
@@ -179,14 +173,38 @@ TEST_P(CudaOps, GroupedExpertGemmMatchesPerExpertLinear) {
     moe::linear_backward(dx.data() + r0 * C, dw1.data() + e * F * C, dh.data() + r0 * F, x.data() + r0 * C,
                          w1.data() + e * F * C, n, C, F);
   }
-  const Vec grouped = download(gh, h.size());
-  // The grouped call itself ran (not its per-expert fallback, which gives the same numbers).
-  EXPECT_EQ(grouped_gemm_fallbacks(), 0) << "cublasGemmGroupedBatchedEx answered NOT_SUPPORTED for " << dtype_name(dt_);
-  expect_close("grouped_gemm forward", grouped, h);
+  void* gh_loop = upload(Vec(R * F));
+  ASSERT_TRUE(grouped_gemm_looped(*ctx_, dt_, true, gh_loop, gx, gw1, off.data(), E, C, F, 1.0f, 0.0f).is_ok());
   expect_close("grouped_gemm_looped forward", download(gh_loop, h.size()), h);
-  expect_close("grouped_gemm backward dx", download(gdx, dx.size()), dx);
-  expect_close("grouped_gemm_weight_grad", download(gdw1, dw1.size()), dw1);
-  (void)gw2;
+  // Each way grouped_gemm can run (Context lanes and chunk rows): the cuBLAS grouped call; 4 lanes;
+  // chunks of 8 rows in one batched call, partial ones padded (13 = 8 + 5, 27 = 3 x 8 + 3, 1, 29).
+  const struct {
+    const char* name;
+    int lanes, chunk_rows;
+  } ways[] = {{"cuBLAS grouped call", 0, 0}, {"4 lanes", 4, 0}, {"8-row chunks", 4, 8}};
+  for (const auto& way : ways) {
+    SCOPED_TRACE(way.name);
+    ctx_->set_grouped_gemm_lanes(way.lanes);
+    ctx_->set_grouped_gemm_chunk_rows(way.chunk_rows);
+    void *gh = upload(Vec(R * F)), *gdx = upload(Vec(R * C)), *gdw1 = upload(dw1_start);
+    ASSERT_TRUE(grouped_gemm(*ctx_, dt_, true, gh, gx, gw1, off.data(), E, C, F, 1.0f, 0.0f).is_ok());
+    ASSERT_TRUE(grouped_gemm(*ctx_, dt_, false, gdx, gdh, gw1, off.data(), E, F, C, 1.0f, 0.0f).is_ok());
+    ASSERT_TRUE(grouped_gemm_weight_grad(*ctx_, dt_, gdw1, gdh, gx, off.data(), E, C, F, 1.0f, 1.0f).is_ok());
+    if (way.lanes == 0) {  // the grouped call itself ran (not its per-expert fallback, same numbers)
+      EXPECT_EQ(grouped_gemm_fallbacks(), 0) << "cublasGemmGroupedBatchedEx answered NOT_SUPPORTED for " << dtype_name(dt_);
+    }
+    const std::string tag = std::string(" (") + way.name + ")";
+    expect_close(("grouped_gemm forward" + tag).c_str(), download(gh, h.size()), h);
+    expect_close(("grouped_gemm backward dx" + tag).c_str(), download(gdx, dx.size()), dx);
+    expect_close(("grouped_gemm_weight_grad" + tag).c_str(), download(gdw1, dw1.size()), dw1);
+    // beta = 1 accumulates into what Y holds (the MoE layer's SwiGLU backward does): h + h.
+    ASSERT_TRUE(grouped_gemm(*ctx_, dt_, true, gh, gx, gw1, off.data(), E, C, F, 1.0f, 1.0f).is_ok());
+    Vec twice = round_to(dt_, download(gh, h.size()));
+    for (float& v : twice) v *= 0.5f;
+    expect_close(("grouped_gemm beta=1, halved" + tag).c_str(), twice, h);
+  }
+  ctx_->set_grouped_gemm_lanes(Context::kDefaultGroupedLanes);
+  ctx_->set_grouped_gemm_chunk_rows(Context::kDefaultChunkRows);
 }
 
 TEST_P(CudaOps, Elementwise) {
