@@ -10,6 +10,8 @@ namespace moe::bench {
 
 // Shared by the benchmarks (bench_util.cpp).
 double median(std::vector<double> v);  // the upper median; 0 for no samples
+// bench/torch_moe_layer_peer.py: under $MOE_BENCH_DIR if set, else in the source tree moe was built from.
+std::string torch_peer_script();
 
 struct BenchOptions {
   int threads = 2;

@@ -1,11 +1,18 @@
 // Helpers every benchmark uses: see bench.h.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "bench/bench.h"
 #include "bench/mpi_bench.h"
 #include "comm/mpi_communicator.h"
 
 namespace moe::bench {
+
+std::string torch_peer_script() {
+  if (const char* dir = std::getenv("MOE_BENCH_DIR")) return std::string(dir) + "/torch_moe_layer_peer.py";
+  return std::string(MOE_SOURCE_DIR) + "/bench/torch_moe_layer_peer.py";
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;

@@ -56,11 +56,6 @@ void print_row(const Row& r) {
   std::printf("| %-46s | %9.2f | %10s | %8s | %-40s |\n", r.name.c_str(), r.ms, tps, gf, r.note.c_str());
 }
 
-std::string script_path() {
-  if (const char* p = std::getenv("MOE_BENCH_DIR")) return std::string(p) + "/torch_moe_layer_peer.py";
-  return std::string(MOE_SOURCE_DIR) + "/bench/torch_moe_layer_peer.py";
-}
-
 // This CPU's FP32 fused multiply-add peak on `threads` threads, GFLOP/s: independent FMA chains on the
 // widest vectors the build targets (-march=native: 16 lanes with AVX-512, else 8 with AVX2 and FMA),
 // enough chains per thread to cover the FMA units' latency, for ~0.2 s. The ceiling a GEMM kernel
@@ -145,7 +140,7 @@ bool run_peer(const std::string& coretype, int threads, int repeats, double* fwd
   // page-faults its [E,F,C] gradient buffers in again (2.8 s instead of 0.84 s fwd+bwd, measured):
   // keep freed memory, as the allocators PyTorch's CPU tuning guide recommends do.
   const std::string malloc_keep = " GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296";
-  std::string cmd = kernel + malloc_keep + " OMP_NUM_THREADS=" + std::to_string(threads) + " /usr/bin/python3 " + script_path() +
+  std::string cmd = kernel + malloc_keep + " OMP_NUM_THREADS=" + std::to_string(threads) + " /usr/bin/python3 " + torch_peer_script() +
                     " --threads " + std::to_string(threads) + " --repeats " + std::to_string(repeats) + " 2>/dev/null";
   std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), pclose);
   if (!p) return false;

@@ -21,10 +21,9 @@
 // Without a GPU it says so and exits 1.
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -118,9 +117,7 @@ double tflops(double flops, double s) { return flops / s / 1e12; }
 // where it cannot run. python3 from PATH (the GPU machines' PyTorch), or MOE_PYTHON.
 bool run_torch_peer(const ExpertShape& sh, const char* impl, int repeats, double* fwdbwd_ms, std::string* version) {
   const char* py = std::getenv("MOE_PYTHON");
-  const char* dir = std::getenv("MOE_BENCH_DIR");
-  const std::string script = dir ? str_cat(dir, "/torch_moe_layer_peer.py") : str_cat(MOE_SOURCE_DIR, "/bench/torch_moe_layer_peer.py");
-  const ShellResult r = run_shell(str_cat(py ? py : "python3", " ", script, " --device cuda --dtype bf16 --impl ", impl,
+  const ShellResult r = run_shell(str_cat(py ? py : "python3", " ", torch_peer_script(), " --device cuda --dtype bf16 --impl ", impl,
                                           " --d-model ", sh.C, " --d-ffn ", sh.F, " --experts ", sh.E, " --top-k ", sh.K,
                                           " --tokens ", sh.tokens, " --repeats ", repeats, " 2>/dev/null"));
   const nlohmann::json j = nlohmann::json::parse(r.output, nullptr, false);

@@ -162,33 +162,20 @@ Status Context::synchronize() {
   return Status::ok();
 }
 
-Status Context::pointer_scratch(size_t bytes, void** out) {
-  if (pointers_.bytes() < bytes) {
-    // The old scratch may still be read by queued GEMMs: let them finish before freeing it.
+// Grows `buf` to at least `bytes`. The old buffer may still be read by work queued on the stream
+// (GEMMs, reductions): let it finish before freeing it.
+Status Context::grow_scratch(DeviceBuffer& buf, size_t bytes, void** out) {
+  if (buf.bytes() < bytes) {
     MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");
-    if (Status s = pointers_.allocate(bytes); !s) return s;
+    if (Status s = buf.allocate(bytes); !s) return s;
   }
-  *out = pointers_.get();
+  *out = buf.get();
   return Status::ok();
 }
 
-Status Context::chunk_scratch(size_t bytes, void** out) {
-  if (chunks_.bytes() < bytes) {
-    MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");  // queued GEMMs may still use it
-    if (Status s = chunks_.allocate(bytes); !s) return s;
-  }
-  *out = chunks_.get();
-  return Status::ok();
-}
-
-Status Context::reduction_scratch(size_t bytes, void** out) {
-  if (partials_.bytes() < bytes) {
-    MOE_CUDA_TRY(cudaStreamSynchronize(stream_), "cuda stream");  // queued reductions may still use it
-    if (Status s = partials_.allocate(bytes); !s) return s;
-  }
-  *out = partials_.get();
-  return Status::ok();
-}
+Status Context::pointer_scratch(size_t bytes, void** out) { return grow_scratch(pointers_, bytes, out); }
+Status Context::chunk_scratch(size_t bytes, void** out) { return grow_scratch(chunks_, bytes, out); }
+Status Context::reduction_scratch(size_t bytes, void** out) { return grow_scratch(partials_, bytes, out); }
 
 Status copy_to_device(Context& ctx, void* dst, const void* src, size_t bytes) {
   MOE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx.stream()), "copy to device");

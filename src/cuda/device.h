@@ -125,6 +125,7 @@ class Context {
 
  private:
   Context() = default;
+  Status grow_scratch(DeviceBuffer& buf, size_t bytes, void** out);
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;

@@ -51,12 +51,14 @@ Status check_dims(const char* what, const RowMajorGemm& g) {
   return Status::ok();
 }
 
-Status run_one(Context& ctx, DType dt, const RowMajorGemm& g, float alpha, float beta, const char* what) {
+// On `handle` (ctx.cublas(), or a lane's); ctx gives the compute type.
+Status run_one(Context& ctx, cublasHandle_t handle, DType dt, const RowMajorGemm& g, float alpha, float beta,
+               const char* what) {
   if (g.M == 0 || g.N == 0) return Status::ok();
   if (Status s = check_dims(what, g); !s) return s;
   const cudaDataType_t t = cuda_type(dt);
   return cublas_status(
-      cublasGemmEx(ctx.cublas(), op(g.trans_b), op(g.trans_a), static_cast<int>(g.N), static_cast<int>(g.M),
+      cublasGemmEx(handle, op(g.trans_b), op(g.trans_a), static_cast<int>(g.N), static_cast<int>(g.M),
                    static_cast<int>(g.K), &alpha, g.B, t, static_cast<int>(g.ldb), g.A, t, static_cast<int>(g.lda), &beta,
                    g.C, t, static_cast<int>(g.ldc), compute_type(ctx, dt), CUBLAS_GEMM_DEFAULT),
       what);
@@ -210,19 +212,10 @@ Status run_on_lanes(Context& ctx, DType dt, std::vector<RowMajorGemm> gs, int n,
   auto work = [](const RowMajorGemm& g) { return double(g.M) * double(g.N) * double(g.K); };
   std::stable_sort(gs.begin(), gs.end(), [&](const RowMajorGemm& a, const RowMajorGemm& b) { return work(a) > work(b); });
   std::vector<double> load(n, 0.0);
-  const cudaDataType_t t = cuda_type(dt);
   for (const RowMajorGemm& g : gs) {
-    if (Status s = check_dims(what, g); !s) return s;
     const int i = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     load[i] += work(g);
-    if (Status s = cublas_status(
-            cublasGemmEx(lanes[i].cublas, op(g.trans_b), op(g.trans_a), static_cast<int>(g.N), static_cast<int>(g.M),
-                         static_cast<int>(g.K), &alpha, g.B, t, static_cast<int>(g.ldb), g.A, t,
-                         static_cast<int>(g.lda), &beta, g.C, t, static_cast<int>(g.ldc), compute_type(ctx, dt),
-                         CUBLAS_GEMM_DEFAULT),
-            what);
-        !s)
-      return s;
+    if (Status s = run_one(ctx, lanes[i].cublas, dt, g, alpha, beta, what); !s) return s;
   }
   for (int i = 0; i < n; ++i) {
     MOE_CUDA_TRY(cudaEventRecord(lanes[i].done, lanes[i].stream), str_cat(what, ": lane done"));
@@ -276,7 +269,7 @@ Status run_grouped(Context& ctx, DType dt, const std::vector<RowMajorGemm>& gs, 
     // the grouped call from this (grouped_gemm_fallbacks(), ops.h).
     ++grouped_fallbacks;
     for (const RowMajorGemm& g : gs)
-      if (Status s = run_one(ctx, dt, g, alpha, beta, what); !s) return s;
+      if (Status s = run_one(ctx, ctx.cublas(), dt, g, alpha, beta, what); !s) return s;
     return Status::ok();
   }
   return cublas_status(st, what);
@@ -287,7 +280,7 @@ Status run_grouped(Context& ctx, DType dt, const std::vector<RowMajorGemm>& gs, 
 Status gemm(Context& ctx, DType dt, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
             const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc) {
   RowMajorGemm g{trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc};
-  return run_one(ctx, dt, g, alpha, beta, "cuda gemm");
+  return run_one(ctx, ctx.cublas(), dt, g, alpha, beta, "cuda gemm");
 }
 
 Status linear_forward(Context& ctx, DType dt, void* out, const void* inp, const void* weight, int64_t N, int64_t IC,
@@ -335,7 +328,7 @@ Status grouped_gemm_looped(Context& ctx, DType dt, bool trans_w, void* Y, const 
   if (Status s = check_offsets("cuda grouped_gemm_looped", off, E); !s) return s;
   for (int64_t e = 0; e < E; ++e) {
     if (off[e + 1] == off[e]) continue;
-    if (Status s = run_one(ctx, dt, expert_product(dt, trans_w, Y, X, W, off, e, Kin, Nout), alpha, beta,
+    if (Status s = run_one(ctx, ctx.cublas(), dt, expert_product(dt, trans_w, Y, X, W, off, e, Kin, Nout), alpha, beta,
                            "cuda grouped_gemm_looped");
         !s)
       return s;
