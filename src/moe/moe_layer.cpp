@@ -10,6 +10,7 @@
 #include "moe/layout.h"
 #include "moe/router.h"
 #include "tensor/ops.h"
+#include "util/str_cat.h"
 
 namespace moe {
 
@@ -116,15 +117,20 @@ void MoeLayer::backward(float* dx, const float* dy) {
 
 // ---- expert parallelism -------------------------------------------------------------------------
 //
-// Forward on rank `me` of P, El = E/P local experts [e0, e0+El):
-//   gate (local tokens) -> global statistics: allgather of per-(k,e) choice counts, allreduce of
-//   prob sums, lse^2 sum and token count -> global aux, z and capacity -> layout with `prior` ->
-//   dispatch (local rows in expert order, so each destination's rows are contiguous) ->
-//   alltoall of kept rows per (destination, expert) -> alltoallv of the rows -> permute
-//   source-major -> expert-major -> expert GEMMs -> permute back -> alltoallv back -> combine.
-// Backward runs the same exchanges in reverse. Rows of one expert arrive ordered by source rank,
-// then by token: the global token order, as in the single-process layout.
-
+// One data path for every strategy. The experts' placement (plan::LayerPlacement) says which ranks
+// hold which experts this step; EP is the placement in which each expert has one holder, its owner
+// (rank e / El at first). Forward on rank `me` of the ep group (P ranks):
+//   gate (local tokens) -> ep_gate_sync: allgather of per-(k,e) choice counts, allreduce of prob
+//   sums, lse^2 sum and token count -> ep_dispatch: global aux, z and capacity; layout with `prior`
+//   (rows expert-major); every rank's kept rows per expert from the synced counts, so the dispatch
+//   plan (rows[s][e][d], plan::dispatch_plan) and every exchange size are known without another
+//   collective; my rows put destination-major (a no-op when each destination's experts are
+//   contiguous and ascending, as under EP's first placement)
+//   -> ep_dispatch_a2a: alltoallv of the rows -> ep_experts: source-major -> held-expert-major,
+//   GEMM chains, back -> ep_combine_a2a: alltoallv back -> ep_combine: expert-major, gate-weighted
+//   sum. Backward runs the same exchanges in reverse. Rows of one expert arrive ordered by source
+//   rank, then by token: the global token order, as in the single-process layout. Row permutations
+//   run in the compute phases only; the *_a2a phases only exchange.
 
 void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch) {
   if (!batch) batch = ep;
@@ -156,18 +162,26 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
     p->shard_begin = e0;
     p->full_dim0 = E;
   }
+  // Which batch rank each ep rank is: the synced counts are per batch rank, the exchanges per ep rank.
+  const int64_t my_batch_rank = batch->rank();
+  batch_rank_of_ep_.assign(P, 0);
+  throw_if_error(ep->allgather(&my_batch_rank, 1, batch_rank_of_ep_.data()));
+  owners_ = placement_ = held_ = plan::even_placement(static_cast<int>(E), static_cast<int>(P));
+  owned_ = owners_.experts_owned_by(ep->rank());
+  nodes_.node_of_rank.assign(P, 0);
   local_counts_.assign(K * E, 0);
   all_counts_.assign(batch->size() * K * E, 0);
   stats_.assign(E + 2, 0.0);
   prior_.assign(E * K, 0);
-  recv_tpe_.assign(P * El, 0);
   send_counts_.assign(P, 0);
   send_displs_.assign(P, 0);
   recv_counts_.assign(P, 0);
   recv_displs_.assign(P, 0);
   perm_.reserve(rows);
   inv_perm_.reserve(rows);
-  local_offset_.assign(El + 1, 0);
+  send_perm_.reserve(max_tokens_ * K);
+  inv_send_perm_.reserve(max_tokens_ * K);
+  local_offset_.reserve(E + 1);
   for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
   for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
   if (cfg_.activation == Activation::swiglu)
@@ -177,7 +191,7 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
 void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
   // In one call (evaluation, tests) tokens go to the replicas held now: a step's planned replicas are
   // gathered by the runtime's materialize ops, not here.
-  if (placed_) placement_ = held_;
+  placement_ = held_;
   ep_gate(x, N);
   ep_gate_sync();
   ep_dispatch();
@@ -191,7 +205,7 @@ void MoeLayer::backward_ep(float* dx, const float* dy) {
   ep_combine_bwd(dy);
   ep_combine_a2a_bwd();
   ep_experts_bwd();
-  if (placed_) ep_reduce_replica_grads();
+  ep_reduce_replica_grads();
   ep_dispatch_a2a_bwd();
   ep_gate_bwd(dx);
 }
@@ -245,99 +259,150 @@ void MoeLayer::ep_dispatch() {
   z_loss_ = Ng ? static_cast<float>(stats_[E] / Ng) : 0.0f;
   layout_build(routing_, expert_capacity(cfg_.capacity_factor, Ng, K, E), layout_scratch_.data(), prior_.data());
   dispatch_forward(xp_.data(), x_, routing_, C);
-  if (placed_) return placed_dispatch();
-  // Rows this rank sends each group rank: its kept rows of that rank's experts (contiguous, as the
-  // layout orders rows by expert).
-  const int64_t P = ep_->size(), El = E / P;
-  for (int64_t r = 0; r < P; ++r) {
-    const int64_t first = routing_.expert_offset[r * El], last = routing_.expert_offset[(r + 1) * El];
-    send_counts_[r] = (last - first) * C;
-    send_displs_[r] = first * C;
+  plan_exchange();
+  if (!send_in_place_) gather_rows(xs_.data(), xp_.data(), send_perm_.data(), routing_.rows(), C);
+}
+
+void MoeLayer::plan_exchange() {
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), me = ep_->rank();
+  // Kept rows of every ep rank per expert (routed_counts is per batch rank).
+  const std::vector<std::vector<int64_t>> kept_by_batch_rank = routed_counts();
+  std::vector<std::vector<int64_t>> kept(P);
+  for (int64_t s = 0; s < P; ++s) kept[s] = kept_by_batch_rank[batch_rank_of_ep_[s]];
+  for (int64_t e = 0; e < E; ++e)
+    if (kept[me][e] != routing_.tokens_per_expert[e])
+      throw std::logic_error(str_cat("MoeLayer: rank ", me, " keeps ", routing_.tokens_per_expert[e],
+                                     " rows of expert ", e, ", the synced counts say ", kept[me][e]));
+  rows_ = plan::dispatch_plan(placement_, nodes_, kept);
+  // My rows destination-major: experts ascending within a destination, expert e's rows split over its
+  // destinations in ascending rank order.
+  const int64_t n = routing_.rows();
+  send_perm_.resize(n);
+  inv_send_perm_.resize(n);
+  send_in_place_ = true;
+  int64_t i = 0;
+  for (int64_t d = 0; d < P; ++d) {
+    const int64_t first = i;
+    for (int64_t e = 0; e < E; ++e) {
+      int64_t pos = routing_.expert_offset[e];
+      for (int64_t d2 = 0; d2 < d; ++d2) pos += rows_[me][e][d2];
+      for (int64_t j = 0; j < rows_[me][e][d]; ++j, ++i) {
+        send_perm_[i] = static_cast<int32_t>(pos + j);
+        inv_send_perm_[pos + j] = static_cast<int32_t>(i);
+        send_in_place_ = send_in_place_ && pos + j == i;
+      }
+    }
+    send_counts_[d] = (i - first) * C;
+    send_displs_[d] = first * C;
   }
+  if (i != n) throw std::logic_error("MoeLayer: the dispatch plan does not cover this rank's rows");
+  if (!send_in_place_ && xs_.numel() == 0) xs_.resize({max_tokens_ * cfg_.top_k, C});
+  int64_t recv_rows = 0;
+  for (int64_t s = 0; s < P; ++s) {
+    int64_t from_s = 0;
+    for (int64_t e = 0; e < E; ++e) from_s += rows_[s][e][me];
+    recv_counts_[s] = from_s * C;
+    recv_displs_[s] = recv_rows * C;
+    recv_rows += from_s;
+  }
+  expert_rows_ = recv_rows;
 }
 
 void MoeLayer::ep_dispatch_a2a() {
-  if (placed_) return placed_dispatch_a2a();
-  const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), El = E / P;
-  // how many rows come from where: every rank's kept rows per expert, to the experts' owners
-  throw_if_error(ep_->alltoall(routing_.tokens_per_expert.data(), recv_tpe_.data(), El));
-  int64_t recv_rows = 0;
-  for (int64_t r = 0; r < P; ++r) {
-    int64_t from_r = 0;
-    for (int64_t el = 0; el < El; ++el) from_r += recv_tpe_[r * El + el];
-    recv_counts_[r] = from_r * C;
-    recv_displs_[r] = recv_rows * C;
-    recv_rows += from_r;
-  }
-  expert_rows_ = recv_rows;
-  throw_if_error(ep_->alltoallv(xp_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
+  const float* send = send_in_place_ ? xp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(send, send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
 }
 
-void MoeLayer::ep_experts() {
-  if (placed_) return placed_experts();
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, E = cfg_.n_experts, P = ep_->size(), El = E / P;
-  const int64_t recv_rows = expert_rows_;
-  // source-major -> expert-major permutation: rows of one expert from every source, in source order
-  perm_.resize(recv_rows);
-  inv_perm_.resize(recv_rows);
+void MoeLayer::order_received_rows() {
+  const int64_t C = cfg_.d_model, P = ep_->size(), me = ep_->rank(), rows = expert_rows_;
+  // Held experts in compute order: owned ascending, then the replica slots in gather order.
+  held_order_.assign(owned_.begin(), owned_.end());
+  held_order_.insert(held_order_.end(), replica_expert_.begin(), replica_expert_.end());
+  const int64_t H = static_cast<int64_t>(held_order_.size());
+  perm_.resize(rows);
+  inv_perm_.resize(rows);
+  local_offset_.assign(H + 1, 0);
   int64_t i = 0;
-  for (int64_t el = 0; el < El; ++el) {
-    local_offset_[el] = i;
-    for (int64_t r = 0; r < P; ++r) {
-      int64_t src = recv_displs_[r] / C;
-      for (int64_t el2 = 0; el2 < el; ++el2) src += recv_tpe_[r * El + el2];
-      for (int64_t j = 0; j < recv_tpe_[r * El + el]; ++j, ++i) {
+  for (int64_t h = 0; h < H; ++h) {
+    const int e = held_order_[h];
+    local_offset_[h] = i;
+    for (int64_t s = 0; s < P; ++s) {
+      int64_t src = recv_displs_[s] / C;
+      for (int e2 = 0; e2 < e; ++e2) src += rows_[s][e2][me];
+      for (int64_t j = 0; j < rows_[s][e][me]; ++j, ++i) {
         perm_[i] = static_cast<int32_t>(src + j);
         inv_perm_[src + j] = static_cast<int32_t>(i);
       }
     }
   }
-  local_offset_[El] = i;
-  gather_rows(xe_.data(), xr_.data(), perm_.data(), recv_rows, C);
+  local_offset_[H] = i;
+  if (i != rows) throw std::logic_error(str_cat("MoeLayer: rank ", me, " received rows of experts it does not hold"));
+}
+
+void MoeLayer::ep_experts() {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, rows = expert_rows_;
+  order_received_rows();
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(held_order_.size());
+  gather_rows(xe_.data(), xr_.data(), perm_.data(), rows, C);
   const bool swiglu = cfg_.activation == Activation::swiglu;
   experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
                   local_offset_.data(), w1_.value.data(), w2_.value.data(), swiglu ? w3_.value.data() : nullptr,
                   ExpertShape{El, C, F, cfg_.activation});
-  gather_rows(yr_.data(), ye_.data(), inv_perm_.data(), recv_rows, C);
+  if (H > El)  // the replicas, from their slots
+    experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
+                    local_offset_.data() + El, rw1_.data(), rw2_.data(), swiglu ? rw3_.data() : nullptr,
+                    ExpertShape{H - El, C, F, cfg_.activation});
+  gather_rows(yr_.data(), ye_.data(), inv_perm_.data(), rows, C);
 }
 
 void MoeLayer::ep_combine_a2a() {
-  if (placed_) return placed_combine_a2a();
-  throw_if_error(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, outp_.data(), send_counts_, send_displs_));
+  float* recv = send_in_place_ ? outp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, recv, send_counts_, send_displs_));
 }
 
-void MoeLayer::ep_combine(float* y) { combine_forward(y, row_weight_.data(), outp_.data(), routing_, cfg_.d_model); }
+void MoeLayer::ep_combine(float* y) {
+  const int64_t C = cfg_.d_model;
+  if (!send_in_place_) gather_rows(outp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), C);
+  combine_forward(y, row_weight_.data(), outp_.data(), routing_, C);
+}
 
 void MoeLayer::ep_combine_bwd(const float* dy) {
   if (!x_) throw std::logic_error("MoeLayer::ep_combine_bwd: REQUIRES forward first");
-  combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, cfg_.d_model);
+  const int64_t C = cfg_.d_model;
+  combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, C);
+  if (!send_in_place_) gather_rows(xs_.data(), dout_p_.data(), send_perm_.data(), routing_.rows(), C);
 }
 
 void MoeLayer::ep_combine_a2a_bwd() {
-  if (placed_) return placed_combine_a2a_bwd();
-  throw_if_error(ep_->alltoallv(dout_p_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
+  const float* send = send_in_place_ ? dout_p_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(send, send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
 }
 
 void MoeLayer::ep_experts_bwd() {
-  if (placed_) return placed_experts_bwd();
-  const int64_t C = cfg_.d_model, E = cfg_.n_experts, F = cfg_.d_ffn, P = ep_->size();
-  const int64_t El = E / P, rows = expert_rows_;
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, rows = expert_rows_;
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(held_order_.size());
   const bool swiglu = cfg_.activation == Activation::swiglu;
   gather_rows(de_.data(), dr_.data(), perm_.data(), rows, C);
   experts_backward(dxe_.data(), w1_.grad.data(), w2_.grad.data(), swiglu ? w3_.grad.data() : nullptr, dact_.data(),
                    dh_.data(), swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
                    swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data(), w1_.value.data(),
                    w2_.value.data(), swiglu ? w3_.value.data() : nullptr, ExpertShape{El, C, F, cfg_.activation});
+  if (H > El)  // the replicas' gradients go to their slots (ep_reduce_replica_grads sends them home)
+    experts_backward(dxe_.data(), rg1_.data(), rg2_.data(), swiglu ? rg3_.data() : nullptr, dact_.data(), dh_.data(),
+                     swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
+                     swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data() + El, rw1_.data(),
+                     rw2_.data(), swiglu ? rw3_.data() : nullptr, ExpertShape{H - El, C, F, cfg_.activation});
   gather_rows(dxr_.data(), dxe_.data(), inv_perm_.data(), rows, C);
 }
 
 void MoeLayer::ep_dispatch_a2a_bwd() {
-  if (placed_) return placed_dispatch_a2a_bwd();
-  throw_if_error(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, dxp_.data(), send_counts_, send_displs_));
+  float* recv = send_in_place_ ? dxp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, recv, send_counts_, send_displs_));
 }
 
 void MoeLayer::ep_gate_bwd(float* dx) {
   const int64_t N = n_, C = cfg_.d_model, E = cfg_.n_experts;
+  if (!send_in_place_) gather_rows(dxp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), C);
   dispatch_backward(dx, dxp_.data(), routing_, C);
   router_backward(dx, router_.grad.data(), dprobs_.data(), dlogits_.data(), dgate_.data(), routing_, probs_.data(),
                   lse_.data(), load_frac_.data(), x_, router_.value.data(), N, C, E, cfg_.renormalize,

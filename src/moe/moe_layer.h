@@ -127,9 +127,9 @@ class MoeLayer {
   // REQUIRES: expert_parallel().
   void ep_gate(const float* x /*[N,C]*/, int64_t N);  // router, local statistics (x kept until ep_gate_bwd)
   void ep_gate_sync();                                // counts + statistics over the batch group
-  void ep_dispatch();                                 // global aux/z/capacity, layout, rows packed
-  void ep_dispatch_a2a();                             // kept-row counts, then the rows, to experts' owners
-  void ep_experts();                                  // my experts over the received rows
+  void ep_dispatch();                                 // global aux/z/capacity, layout, exchange plan, rows packed
+  void ep_dispatch_a2a();                             // the rows, to the experts' holders
+  void ep_experts();                                  // my held experts over the received rows
   void ep_combine_a2a();                              // results back to the tokens' ranks
   void ep_combine(float* y /*[N,C]*/);                // gate-weighted sum
   void ep_combine_bwd(const float* dy /*[N,C]*/);
@@ -145,20 +145,22 @@ class MoeLayer {
   int64_t expert_rows() const { return expert_rows_; }
 
   // ---- placements: experts held this step by more ranks than their owner (Hecate, FasterMoE) ----
-  // With placements enabled, a step may hold extra replicas of experts (plan::LayerPlacement: the
-  // owners are this layer's expert-parallel shards, replicas[e] ⊇ {owner[e]}). Tokens then go where
+  // Every expert-parallel layer runs over a placement; without enable_placements it is EP's: each
+  // expert held by its owner only (plan::even_placement). With placements enabled, a step may hold
+  // extra replicas of experts (plan::LayerPlacement: the owners are this layer's expert-parallel
+  // shards, replicas[e] ⊇ {owner[e]}), and re-sharding may move owners. Tokens go where
   // plan::dispatch_plan sends them (a replica on the token's rank, else on its node, else any, spread
   // evenly); a replica's weights come from its owner by SparseAllGather (ep_materialize) and its
   // gradient goes back, summed into the owner's, by SparseReduceScatter (ep_reduce_replica_grads).
   // The mathematics is that of EP (DESIGN invariant 1); only rows move and the order of some float
-  // sums changes. Without extra replicas the step is EP's with the dispatch computed locally.
+  // sums changes. Without extra replicas and re-sharding the step is EP's, bit for bit.
   // REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks (one copy of every expert over the
   // batch group); nodes has one entry per ep rank; called before the first step.
   // memory: where this layer accounts its replica buffers (may be shared by layers; outlives the layer).
   // gather: the communicator of the sparse collectives (the ep group's ranks; not used by another
   // thread while they run: the runtime's gather lane), so they can run beside the all-to-alls.
   void enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory, comm::Communicator* gather);
-  bool placements_enabled() const { return placed_; }
+  bool placements_enabled() const { return gather_ != nullptr; }
   const plan::LayerPlacement& owners() const { return owners_; }  // replicas == {owner}
   // The placement for the rest of this step: before ep_dispatch (e.g. from predicted loads, then
   // ep_materialize behind the attention), or after ep_gate_sync from routed_counts() (FasterMoE,
@@ -225,27 +227,30 @@ class MoeLayer {
   std::vector<int64_t> all_counts_;         // [R*K*E] every batch rank's local_counts_
   std::vector<double> stats_;               // [E+2] sum probs per expert, sum lse^2, tokens
   std::vector<int64_t> prior_;              // [E*K] see layout_build
-  std::vector<int64_t> recv_tpe_;           // [P*El] rows from rank s for my local expert el
+  std::vector<int64_t> batch_rank_of_ep_;   // [P] batch rank of each ep group rank
   std::vector<int64_t> send_counts_, send_displs_, recv_counts_, recv_displs_;  // [P], in floats
   std::vector<int32_t> perm_, inv_perm_;    // expert-major row i <- source-major row perm_[i]
-  std::vector<int64_t> local_offset_;       // [El+1] rows of my local experts, expert-major
+  std::vector<int64_t> local_offset_;       // [H+1] rows of my held experts, held-expert-major
+  std::vector<int> held_order_;             // [H] my held experts in compute order (owned, then slots)
   // Rows received for my experts (up to P*max_tokens*K): source-major (as the alltoallv delivers
-  // them) and expert-major (one contiguous block per local expert, for the GEMMs).
+  // them) and expert-major (one contiguous block per held expert, for the GEMMs).
   Tensor xr_, xe_, ye_, yr_, dr_, de_, dxe_, dxr_;
+  // The exchange of this step (ep_dispatch): rows_[s][e][d] rows rank s sends rank d for expert e
+  // (plan::dispatch_plan over placement_). My rows leave destination-major; when that order is the
+  // layout's expert-major order (send_in_place_), the exchanges read and write xp_, outp_, dout_p_
+  // and dxp_ directly, else they go through xs_ [NK,C] (allocated at the first such step) and the
+  // compute phases permute: destination-major row i <- expert-major row send_perm_[i].
+  void plan_exchange();        // rows_, send/recv counts and displacements, send_perm_
+  void order_received_rows();  // perm_, local_offset_, held_order_ for this step's held experts
+  std::vector<std::vector<std::vector<int64_t>>> rows_;  // [P][E][P]
+  std::vector<int32_t> send_perm_, inv_send_perm_;
+  bool send_in_place_ = true;
+  Tensor xs_;
 
-  // ---- placements (see enable_placements); implemented in moe_layer_placed.cpp ----
-  void placed_dispatch();
-  void placed_dispatch_a2a();
-  void placed_experts();
-  void placed_combine_a2a();
-  void placed_combine_a2a_bwd();
-  void placed_experts_bwd();
-  void placed_dispatch_a2a_bwd();
-  int64_t held_experts() const;                 // owned + replica experts this step
+  // ---- placements (see enable_placements); implemented in moe_layer_replicas.cpp ----
   void ensure_replica_slots(int64_t slots);     // grows the slot buffers, keeping their contents
   std::vector<float*> chunk_pointers(bool grads);  // [W*E] see ep_materialize
-  bool placed_ = false;
-  plan::Nodes nodes_;
+  plan::Nodes nodes_;                           // node of each ep rank (all 0 until enable_placements)
   plan::LayerPlacement owners_, placement_, held_;  // held_: materialized now
   std::vector<int> owned_;                      // experts this rank owns, ascending (rows of w1_, w2_, w3_)
   std::vector<int> replica_expert_;             // [S] the expert in each used replica slot, in gather order
@@ -253,9 +258,6 @@ class MoeLayer {
   // Replica slots: weights rw1_ [S,F,C], rw2_ [S,C,F], rw3_ [S,F,C] (SwiGLU) and their gradients.
   Tensor rw1_, rw2_, rw3_, rg1_, rg2_, rg3_;
   int64_t slot_capacity_ = 0;
-  std::vector<std::vector<std::vector<int64_t>>> rows_;  // [R][E][R] dispatch_plan of this step
-  std::vector<int32_t> send_perm_, inv_send_perm_;  // destination-major row i <- expert-major row send_perm_[i]
-  Tensor xs_;                                   // [NK,C] rows in destination-major order
   std::vector<float> reduce_scratch_;
   std::vector<int64_t> sparse_peer_bytes_;
   int64_t sparse_bytes_ = 0, replica_bytes_ = 0;

@@ -19,7 +19,7 @@ using graph::OpKind;
 
 int weight_mats(const ModelConfig& cfg) { return cfg.activation == "swiglu" ? 3 : 2; }
 
-// The placement of W*E chunks where chunk w*E + e is held like expert e (moe_layer_placed.cpp).
+// The placement of W*E chunks where chunk w*E + e is held like expert e (moe/moe_layer_replicas.cpp).
 comm::Placement chunk_placement(const std::vector<std::vector<int>>& replicas, int W) {
   comm::Placement p;
   p.reserve(replicas.size() * W);

@@ -2,7 +2,7 @@
 // placements the strategy objects of strategy/strategy.h decide (the very objects the trainer runs),
 // fed the simulated loads, and the run-time sizes of their graphs
 // (build_ep_step with the placement options, one ep group of every rank) exactly as MoeLayer
-// (moe/moe_layer_placed.cpp) and EpStepBodies (runtime/ep_step_bodies.cpp) record them.
+// (moe/moe_layer_replicas.cpp) and EpStepBodies (runtime/ep_step_bodies.cpp) record them.
 //
 // Per MoE layer l and step, the strategy (strategy/strategy.h) decides and the simulator applies:
 //   before the step  planned = before_step(l, owners, t), or the owners when it plans nothing; t: the

@@ -1,21 +1,13 @@
-// MoeLayer with placements (moe_layer.h, "placements"): experts held by more ranks than their owner.
-//
-// One step on rank `me` of the ep group (R ranks; W weight tensors per expert: w1, w2 (, w3)):
+// MoeLayer's replicas (moe_layer.h, "placements"): experts held this step by more ranks than their
+// owner, and shards that change owner. The data path itself is moe_layer.cpp's, the same for every
+// placement; here are the weights' movements around it:
 //   set_placement(P)          P from a planner (Hecate Alg. 1, FasterMoE shadowing), same on every rank
 //   ep_materialize            SparseAllGather(held, P) of the W*E chunks (chunk w*E + e = tensor w of
-//                             expert e): each new replica lands in a replica slot
-//   gate, gate_sync, dispatch counts [R][E] of kept assignments from the synced counts, then
-//                             rows[s][e][d] = dispatch_plan(P, nodes, counts): every rank knows every
-//                             exchange size without another collective. My expert-major rows are
-//                             re-ordered destination-major (experts ascending within a destination;
-//                             expert e's rows split over its destinations in ascending rank order).
-//   dispatch_a2a              alltoallv of those rows
-//   experts                   received rows re-ordered expert-major over the held experts (owned
-//                             ascending, then the replica slots), sources ascending within an expert:
-//                             one GEMM chain per held expert, owned and replica weights apart
-//   combine_a2a, combine      the way back, then un-permuted into expert-major order
-//   backward                  the mirror image; replica weight gradients go to the slots' gradients,
-//                             then ep_reduce_replica_grads: SparseReduceScatter(P, owners).
+//                             expert e; W weight tensors per expert: w1, w2 (, w3)): each new replica
+//                             lands in a replica slot
+//   ep_reduce_replica_grads   after the experts' backward: SparseReduceScatter(P, owners) of the
+//                             replica slots' gradients into the owners'
+//   reshard                   between steps: shards and their AdamW moments to new owners
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -59,18 +51,12 @@ void MoeLayer::enable_placements(const plan::Nodes& nodes, ReplicaMemory* memory
   if (!gather || gather->size() != R || gather->rank() != ep_->rank())
     throw std::logic_error("MoeLayer::enable_placements: REQUIRES a gather communicator over the ep group's ranks");
   gather_ = gather;
-  placed_ = true;
   memory_ = memory;
   nodes_ = nodes;
-  owners_ = plan::even_placement(static_cast<int>(cfg_.n_experts), R);
-  placement_ = held_ = owners_;
-  owned_ = owners_.experts_owned_by(ep_->rank());
-  xs_.resize({max_tokens_ * cfg_.top_k, cfg_.d_model});
-  local_offset_.reserve(cfg_.n_experts + 1);
 }
 
 void MoeLayer::set_placement(const plan::LayerPlacement& p) {
-  if (!placed_) throw std::logic_error("MoeLayer::set_placement: REQUIRES enable_placements");
+  if (!gather_) throw std::logic_error("MoeLayer::set_placement: REQUIRES enable_placements");
   if (Status s = p.validate(); !s) throw std::logic_error("MoeLayer::set_placement: " + s.message());
   if (p.n_ranks != owners_.n_ranks || p.owner != owners_.owner)
     throw std::logic_error("MoeLayer::set_placement: REQUIRES the owners of this layer's shards");
@@ -80,10 +66,6 @@ void MoeLayer::set_placement(const plan::LayerPlacement& p) {
       throw std::logic_error(str_cat("MoeLayer::set_placement: expert ", e,
                                      " loses a replica materialized this step (release_replicas first)"));
   placement_ = p;
-}
-
-int64_t MoeLayer::held_experts() const {
-  return static_cast<int64_t>(owned_.size() + replica_expert_.size());
 }
 
 void MoeLayer::ensure_replica_slots(int64_t slots) {
@@ -130,7 +112,7 @@ std::vector<float*> MoeLayer::chunk_pointers(bool grads) {
 }
 
 void MoeLayer::ep_materialize() {
-  if (!placed_) throw std::logic_error("MoeLayer::ep_materialize: REQUIRES enable_placements");
+  if (!gather_) throw std::logic_error("MoeLayer::ep_materialize: REQUIRES enable_placements");
   sparse_peer_bytes_.assign(ep_->size(), 0);
   if (held_.replicas == placement_.replicas) return;
   const int me = ep_->rank(), R = ep_->size();
@@ -167,9 +149,8 @@ void MoeLayer::ep_materialize() {
 }
 
 void MoeLayer::ep_reduce_replica_grads() {
-  if (!placed_) throw std::logic_error("MoeLayer::ep_reduce_replica_grads: REQUIRES enable_placements");
   sparse_peer_bytes_.assign(ep_->size(), 0);
-  if (held_.replicas == owners_.replicas) return;
+  if (held_.replicas == owners_.replicas) return;  // no replica: nothing to send home
   const int me = ep_->rank(), R = ep_->size();
   const int W = cfg_.activation == Activation::swiglu ? 3 : 2;
   const int64_t FC = cfg_.d_ffn * cfg_.d_model;
@@ -184,7 +165,7 @@ void MoeLayer::ep_reduce_replica_grads() {
 }
 
 void MoeLayer::release_replicas(bool free_memory) {
-  if (!placed_) return;
+  if (!gather_) return;
   held_ = owners_;
   released_order_ = std::move(replica_expert_);
   replica_expert_.clear();
@@ -206,7 +187,7 @@ int MoeLayer::reshard(const std::vector<int>& new_owner, const std::vector<std::
   const int64_t E = cfg_.n_experts, FC = cfg_.d_ffn * cfg_.d_model;
   const int R = ep_ ? ep_->size() : 0;
   std::vector<Param*> params = expert_params();
-  if (!placed_ || held_.replicas != owners_.replicas)
+  if (!gather_ || held_.replicas != owners_.replicas)
     throw std::logic_error("MoeLayer::reshard: REQUIRES placements enabled and no replica held");
   if (static_cast<int64_t>(new_owner.size()) != E || moments.size() != params.size())
     throw std::logic_error("MoeLayer::reshard: REQUIRES an owner per expert and moments per expert parameter");
@@ -291,117 +272,6 @@ std::vector<std::vector<int64_t>> MoeLayer::routed_counts() const {
       }
   }
   return kept;
-}
-
-void MoeLayer::placed_dispatch() {
-  const int64_t C = cfg_.d_model, E = cfg_.n_experts, R = ep_->size(), me = ep_->rank();
-  const std::vector<std::vector<int64_t>> kept = routed_counts();
-  for (int64_t e = 0; e < E; ++e)
-    if (kept[me][e] != routing_.tokens_per_expert[e])
-      throw std::logic_error(str_cat("MoeLayer: rank ", me, " keeps ", routing_.tokens_per_expert[e],
-                                     " rows of expert ", e, ", the synced counts say ", kept[me][e]));
-  rows_ = plan::dispatch_plan(placement_, nodes_, kept);
-  const int64_t n = routing_.rows();
-  send_perm_.resize(n);
-  inv_send_perm_.resize(n);
-  int64_t i = 0;
-  for (int64_t d = 0; d < R; ++d) {
-    const int64_t first = i;
-    for (int64_t e = 0; e < E; ++e) {
-      int64_t pos = routing_.expert_offset[e];
-      for (int64_t d2 = 0; d2 < d; ++d2) pos += rows_[me][e][d2];
-      for (int64_t j = 0; j < rows_[me][e][d]; ++j, ++i) {
-        send_perm_[i] = static_cast<int32_t>(pos + j);
-        inv_send_perm_[pos + j] = static_cast<int32_t>(i);
-      }
-    }
-    send_counts_[d] = (i - first) * C;
-    send_displs_[d] = first * C;
-  }
-  if (i != n) throw std::logic_error("MoeLayer: the dispatch plan does not cover this rank's rows");
-  gather_rows(xs_.data(), xp_.data(), send_perm_.data(), n, C);
-  int64_t recv_rows = 0;
-  for (int64_t s = 0; s < R; ++s) {
-    int64_t from_s = 0;
-    for (int64_t e = 0; e < E; ++e) from_s += rows_[s][e][me];
-    recv_counts_[s] = from_s * C;
-    recv_displs_[s] = recv_rows * C;
-    recv_rows += from_s;
-  }
-  expert_rows_ = recv_rows;
-}
-
-void MoeLayer::placed_dispatch_a2a() {
-  throw_if_error(ep_->alltoallv(xs_.data(), send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
-}
-
-void MoeLayer::placed_experts() {
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, R = ep_->size(), me = ep_->rank();
-  const int64_t El = static_cast<int64_t>(owned_.size()), H = held_experts(), rows = expert_rows_;
-  // Held experts in compute order: owned ascending, then the replica slots.
-  std::vector<int> held(owned_);
-  held.reserve(H);
-  held.insert(held.end(), replica_expert_.begin(), replica_expert_.end());
-  perm_.resize(rows);
-  inv_perm_.resize(rows);
-  local_offset_.assign(H + 1, 0);
-  int64_t i = 0;
-  for (int64_t h = 0; h < H; ++h) {
-    const int e = held[h];
-    local_offset_[h] = i;
-    for (int64_t s = 0; s < R; ++s) {
-      int64_t src = recv_displs_[s] / C;
-      for (int e2 = 0; e2 < e; ++e2) src += rows_[s][e2][me];
-      for (int64_t j = 0; j < rows_[s][e][me]; ++j, ++i) {
-        perm_[i] = static_cast<int32_t>(src + j);
-        inv_perm_[src + j] = static_cast<int32_t>(i);
-      }
-    }
-  }
-  local_offset_[H] = i;
-  if (i != rows) throw std::logic_error(str_cat("MoeLayer: rank ", me, " received rows of experts it does not hold"));
-  gather_rows(xe_.data(), xr_.data(), perm_.data(), rows, C);
-  const bool swiglu = cfg_.activation == Activation::swiglu;
-  experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
-                  local_offset_.data(), w1_.value.data(), w2_.value.data(), swiglu ? w3_.value.data() : nullptr,
-                  ExpertShape{El, C, F, cfg_.activation});
-  if (H > El)
-    experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
-                    local_offset_.data() + El, rw1_.data(), rw2_.data(), swiglu ? rw3_.data() : nullptr,
-                    ExpertShape{H - El, C, F, cfg_.activation});
-  gather_rows(yr_.data(), ye_.data(), inv_perm_.data(), rows, C);
-}
-
-void MoeLayer::placed_combine_a2a() {
-  throw_if_error(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, xs_.data(), send_counts_, send_displs_));
-  gather_rows(outp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), cfg_.d_model);
-}
-
-void MoeLayer::placed_combine_a2a_bwd() {
-  gather_rows(xs_.data(), dout_p_.data(), send_perm_.data(), routing_.rows(), cfg_.d_model);
-  throw_if_error(ep_->alltoallv(xs_.data(), send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
-}
-
-void MoeLayer::placed_experts_bwd() {
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
-  const int64_t El = static_cast<int64_t>(owned_.size()), H = held_experts(), rows = expert_rows_;
-  const bool swiglu = cfg_.activation == Activation::swiglu;
-  gather_rows(de_.data(), dr_.data(), perm_.data(), rows, C);
-  experts_backward(dxe_.data(), w1_.grad.data(), w2_.grad.data(), swiglu ? w3_.grad.data() : nullptr, dact_.data(),
-                   dh_.data(), swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
-                   swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data(), w1_.value.data(),
-                   w2_.value.data(), swiglu ? w3_.value.data() : nullptr, ExpertShape{El, C, F, cfg_.activation});
-  if (H > El)
-    experts_backward(dxe_.data(), rg1_.data(), rg2_.data(), swiglu ? rg3_.data() : nullptr, dact_.data(), dh_.data(),
-                     swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
-                     swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data() + El, rw1_.data(),
-                     rw2_.data(), swiglu ? rw3_.data() : nullptr, ExpertShape{H - El, C, F, cfg_.activation});
-  gather_rows(dxr_.data(), dxe_.data(), inv_perm_.data(), rows, C);
-}
-
-void MoeLayer::placed_dispatch_a2a_bwd() {
-  throw_if_error(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, xs_.data(), send_counts_, send_displs_));
-  gather_rows(dxp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), cfg_.d_model);
 }
 
 }  // namespace moe
