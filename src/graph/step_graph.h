@@ -136,6 +136,33 @@ struct StepGraph {
   std::string op_name(const Op& op) const;
 };
 
+// Where an op stands in a running step; both executors keep one per op.
+enum class OpState : uint8_t { waiting, running, ended };
+
+// The start rule of the semantics above, the one both executors run (the runtime on real threads,
+// the simulator on simulated clocks): op may start when it waits, heads its stream and its
+// dependencies ended, and, on a communication lane, no other lane's head of higher priority is
+// running or ready. state(i): the OpState of op i; head(s): the op heading stream s (its running op,
+// else its next one), or -1 when the stream has none left. REQUIRES: op in range.
+template <class StateOf, class HeadOf>
+bool may_start(const StepGraph& g, int op, const StateOf& state, const HeadOf& head) {
+  auto deps_ended = [&](int i) {
+    for (int d : g.ops[i].deps)
+      if (state(d) != OpState::ended) return false;
+    return true;
+  };
+  const Op& o = g.ops[op];
+  if (state(op) != OpState::waiting || head(o.stream) != op || !deps_ended(op)) return false;
+  if (o.stream == 0) return true;
+  for (int s = 1; s < static_cast<int>(g.streams.size()); ++s) {
+    if (s == o.stream) continue;
+    const int other = head(s);
+    if (other >= 0 && g.ops[other].priority > o.priority && (state(other) == OpState::running || deps_ended(other)))
+      return false;
+  }
+  return true;
+}
+
 // The half-open element range [begin, end) of micro-op `micro` of `n_micro` over `count` elements:
 // equal parts, the remainder spread over the first parts. REQUIRES: count >= 0, 0 <= micro < n_micro
 // (std::logic_error).

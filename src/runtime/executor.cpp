@@ -1,6 +1,6 @@
 // Executor: one mutex and one condition variable hold the whole schedule. Every thread (the caller
 // for stream 0, one worker per communication lane) waits until its stream's head op may start, runs
-// the body unlocked, and wakes everyone when it ends; may_start() is the graph's semantics verbatim.
+// the body unlocked, and wakes everyone when it ends; may_start() is the graph's rule (graph::may_start).
 #include "runtime/executor.h"
 
 #include <algorithm>
@@ -85,34 +85,21 @@ Executor::~Executor() {
     if (lane) lane->thread.join();
 }
 
-bool Executor::deps_ended(int op) const {
-  for (int d : graph_->ops[op].deps)
-    if (state_[d] != kEnded) return false;
-  return true;
-}
-
 bool Executor::may_start(int op) const {
-  const graph::Op& o = graph_->ops[op];
-  if (failed_ || state_[op] != kWaiting || stream_ops_[o.stream][head_[o.stream]] != op || !deps_ended(op))
-    return false;
-  if (o.stream == 0) return true;
-  // Another lane's head is its running op or, if none runs, its next one.
-  for (size_t s = 1; s < stream_ops_.size(); ++s) {
-    if (static_cast<int>(s) == o.stream || head_[s] == stream_ops_[s].size()) continue;
-    const int other = stream_ops_[s][head_[s]];
-    if (graph_->ops[other].priority > o.priority && (state_[other] == kRunning || deps_ended(other))) return false;
-  }
-  return true;
+  if (failed_) return false;
+  auto state = [&](int i) { return state_[i]; };
+  auto head = [&](int s) { return head_[s] < stream_ops_[s].size() ? stream_ops_[s][head_[s]] : -1; };
+  return graph::may_start(*graph_, op, state, head);
 }
 
 void Executor::start_op(int op) {
-  state_[op] = kRunning;
+  state_[op] = graph::OpState::running;
   timeline_->spans[op].start_ns = ns_since(t0_);
 }
 
 void Executor::end_op(int op, int64_t end_ns, const Status& s) {
   const graph::Op& o = graph_->ops[op];
-  state_[op] = kEnded;
+  state_[op] = graph::OpState::ended;
   timeline_->spans[op].end_ns = end_ns;
   ++head_[o.stream];
   ++n_ended_;
@@ -159,7 +146,7 @@ Status Executor::run(graph::StepGraph& g, const OpBody& body, StepTimeline* time
   stream_ops_.assign(n_streams, {});
   for (const graph::Op& op : g.ops) stream_ops_[op.stream].push_back(op.id);
   head_.assign(n_streams, 0);
-  state_.assign(g.ops.size(), kWaiting);
+  state_.assign(g.ops.size(), graph::OpState::waiting);
   n_ended_ = 0;
   running_lanes_ = 0;
   failed_ = false;

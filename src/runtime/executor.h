@@ -63,11 +63,8 @@ class Executor {
     int stream = 0;
     std::thread thread;
   };
-  enum : uint8_t { kWaiting, kRunning, kEnded };
-
   void lane_main(Lane* lane);
-  bool deps_ended(int op) const;  // REQUIRES (these four): mu_ held
-  bool may_start(int op) const;
+  bool may_start(int op) const;  // REQUIRES (these three): mu_ held
   void start_op(int op);
   void end_op(int op, int64_t end_ns, const Status& s);
 
@@ -80,7 +77,7 @@ class Executor {
   const OpBody* body_ = nullptr;
   StepTimeline* timeline_ = nullptr;
   std::chrono::steady_clock::time_point t0_;
-  std::vector<uint8_t> state_;  // per op: kWaiting, kRunning, kEnded
+  std::vector<graph::OpState> state_;  // per op
   std::vector<size_t> head_;    // per stream: position in stream_ops_ of its first op not ended
   std::vector<std::vector<int>> stream_ops_;  // per stream: its op ids in order
   size_t n_ended_ = 0;

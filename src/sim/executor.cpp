@@ -170,9 +170,8 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     stream_ops[op.stream].push_back(op.id);
   }
 
-  enum : uint8_t { kWaiting, kRunning, kEnded };
   auto at = [n_ops](int r, int op) { return static_cast<size_t>(r) * n_ops + op; };
-  std::vector<uint8_t> state(static_cast<size_t>(R) * n_ops, kWaiting);
+  std::vector<graph::OpState> state(static_cast<size_t>(R) * n_ops, graph::OpState::waiting);
   std::vector<double> t_start(state.size(), -1), t_end(state.size(), -1);
   std::vector<size_t> head(static_cast<size_t>(R) * n_streams, 0);
   // Per collective op and group instance: members arrived, the last to arrive, the collective id.
@@ -261,32 +260,19 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   if (!device.op_kind_speed.empty())
     for (int op = 0; op < n_ops; ++op) op_speed[op] = kind_speed(device, graph::op_kind_name(g0.ops[op].kind));
 
-  auto deps_ended = [&](int r, int op) {
-    for (int d : g0.ops[op].deps)
-      if (state[at(r, d)] != kEnded) return false;
-    return true;
-  };
   auto head_op = [&](int r, int s) -> int {
     const size_t h = head[static_cast<size_t>(r) * n_streams + s];
     return h < stream_ops[s].size() ? stream_ops[s][h] : -1;
   };
-  // runtime::Executor::may_start, verbatim.
+  // The runtime's rule (graph::may_start) on rank r's copy of the graph's state.
   auto may_start = [&](int r, int op) {
-    const graph::Op& o = g0.ops[op];
-    if (state[at(r, op)] != kWaiting || !deps_ended(r, op)) return false;
-    if (o.stream == 0) return true;
-    for (int s = 1; s < n_streams; ++s) {
-      if (s == o.stream) continue;
-      const int other = head_op(r, s);
-      if (other < 0) continue;
-      if (g0.ops[other].priority > o.priority && (state[at(r, other)] == kRunning || deps_ended(r, other)))
-        return false;
-    }
-    return true;
+    auto state_of = [&](int i) { return state[at(r, i)]; };
+    auto head_of = [&](int s) { return head_op(r, s); };
+    return graph::may_start(g0, op, state_of, head_of);
   };
   auto end_op = [&](int r, int op, double t) {
     if (!polling.empty() && g0.ops[op].stream != 0 && --polling[r] == 0) --polling_ranks;
-    state[at(r, op)] = kEnded;
+    state[at(r, op)] = graph::OpState::ended;
     t_end[at(r, op)] = t;
     ++head[static_cast<size_t>(r) * n_streams + g0.ops[op].stream];
     ++n_ended;
@@ -380,7 +366,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   auto start_op = [&](int r, int op) {
     const graph::Op& o = graphs[r].ops[op];
     const double now = colls_.now();
-    state[at(r, op)] = kRunning;
+    state[at(r, op)] = graph::OpState::running;
     t_start[at(r, op)] = now;
     if (o.stream == 0) {
       const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes), op_speed[op]);
@@ -422,7 +408,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     if (t == kInf) {
       for (int r = 0; r < R; ++r)
         for (int op = 0; op < n_ops; ++op)
-          if (state[at(r, op)] == kRunning)
+          if (state[at(r, op)] == graph::OpState::running)
             return Status::error(str_cat("sim: deadlock: rank ", r, " waits in ", g0.op_name(g0.ops[op]),
                                          " for members of its group that never reach it"));
       return Status::error("sim: deadlock: no op can start");
