@@ -188,398 +188,488 @@ Status choose_gemm(const TrainConfig& cfg, const json& resumed_state, Ranks& ran
   return Status::ok();
 }
 
-Status train(const TrainConfig& cfg, Ranks& ranks) {
-  const int64_t B = cfg.batch_size, T = cfg.model.seq_len;
-  if (B % ranks.size != 0)
-    return Status::error("config: batch_size (" + std::to_string(B) + ") must be a multiple of the ranks (" +
-                         std::to_string(ranks.size) + ")");
-  const int64_t Bl = B / ranks.size;  // this rank's rows of each global batch
+// What one step measured, averaged or gathered over the ranks (the metrics line and the progress line).
+struct StepFigures {
+  double loss = 0, grad_norm = 0, seconds = 0;
+  float lr = 0;
+  // Over ranks, mean: compute, exposed communication, communication, allreduce, its hidden part, and
+  // the mean attn_fwd op (ms).
+  double compute_ms = 0, exposed_comm_ms = 0, comm_ms = 0, allreduce_ms = 0, allreduce_hidden_ms = 0, attn_ms = 0;
+  std::vector<double> moe_ms_per_rank, expert_ms_per_rank;
+};
 
-  // ---- data ----
-  TextDataset ds;
-  std::string data_path;
-  if (Status s = open_training_data(cfg, &ds, &data_path); !s) return s;
-  if (Status s = check_same_everywhere(ranks, cfg, ds); !s) return s;
-
-  // ---- model and optimizer: replicated parameters are the same on every rank; expert weights are
-  // divided among the ranks of an expert-parallel group (the largest that divides both the experts
-  // and the ranks), whose copies the data-parallel groups keep in step ----
-  Model model(cfg.model, Bl);
-  const int64_t full_params = model.num_params();
-  model.init(cfg.seed);
-  runtime::Strategy strategy(cfg);
-  int ep_size = 1;
-  if (Status s = strategy.ep_size(ranks.size, &ep_size); !s) return s;
-  if (ranks.world) {
-    if (Status s = comm::detect_topology(*ranks.world, cfg.ranks_per_node, &ranks.topology); !s) return s;
-    if (Status s = comm::make_groups(*ranks.world, ep_size, &ranks.groups); !s) return s;
-    if (Status s = ranks.world->dup("world-grad", &ranks.grad_world); !s) return s;
-    if (Status s = ranks.groups.dp->dup(ranks.groups.dp->name() + "-grad", &ranks.grad_dp); !s) return s;
-    model.set_expert_parallel(ranks.groups.ep.get(), ranks.world.get());
-    model.set_ce_grad_scale(1.0f / static_cast<float>(ranks.size));
-    plan::Nodes nodes;
-    for (int r = 0; r < ranks.size; ++r) nodes.node_of_rank.push_back(ranks.topology.node_of(r));
-    if (strategy.uses_placements())
-      if (Status s = ranks.groups.ep->dup(ranks.groups.ep->name() + "-gather", &ranks.gather); !s) return s;
-    strategy.attach(model, nodes, ranks.gather.get());
+// This rank's MoE time on the compute stream (gate_fwd .. combine_fwd and combine_bwd .. gate_bwd of
+// every MoE block, waits included) and its expert GEMM time (expert_fwd + expert_bwd), ms.
+void moe_times(const graph::StepGraph& g, const runtime::StepTimeline& timeline, int64_t n_layers, double* moe_ms,
+               double* expert_ms) {
+  std::vector<int64_t> first(n_layers * 2, -1), last(n_layers * 2, -1);
+  *moe_ms = *expert_ms = 0;
+  for (const graph::Op& op : g.ops) {
+    const runtime::OpSpan& sp = timeline.spans[op.id];
+    if (op.layer < 0 || sp.end_ns < 0 || op.stream != graph::kComputeStream) continue;
+    if (op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::expert_bwd)
+      *expert_ms += 1e-6 * static_cast<double>(sp.end_ns - sp.start_ns);
+    const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
+                     op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
+                     op.kind == graph::OpKind::combine_fwd;
+    const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
+                     op.kind == graph::OpKind::gate_bwd;
+    if (!fwd && !bwd) continue;
+    const size_t i = op.layer * 2 + (bwd ? 1 : 0);
+    first[i] = first[i] < 0 ? sp.start_ns : std::min(first[i], sp.start_ns);
+    last[i] = std::max(last[i], sp.end_ns);
   }
-  // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
-  graph::EpStepOptions gopt;
-  gopt.world = ranks.size;
-  gopt.ep_size = ep_size;
-  gopt.batch = Bl;
-  gopt.allreduce_micro_bytes = cfg.allreduce_micro_kb * 1024;
-  strategy.configure(&gopt);
-  graph::EpStep step_graph = graph::build_ep_step(cfg.model, gopt);
-  runtime::PlacementHooks hooks;
-  hooks.place = [&](int64_t l) { return strategy.place(l); };
-  hooks.rematerialize = gopt.rematerialize;
-  runtime::EpStepBodies bodies(model, step_graph, {ranks.grad_world.get(), ranks.grad_dp.get()}, hooks);
-  const Fault fault = fault_from_env();
-  int64_t current_step = 0;  // 1-based, for the fault injection
-  const runtime::OpBody body = [&](graph::Op& op) {
-    if ((op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::ffn_fwd) && op.layer == 0)
-      if (Status s = inject(fault, ranks.rank, current_step); !s) return s;
-    return bodies.run(op);
-  };
-  runtime::Executor executor;
-  const AdamWConfig ocfg = adamw_config(cfg);
-  AdamW opt(model.params(), ocfg);
+  for (size_t i = 0; i < first.size(); ++i)
+    if (first[i] >= 0) *moe_ms += 1e-6 * static_cast<double>(last[i] - first[i]);
+}
 
-  // ---- resume: everything is checked before anything is written ----
-  int64_t start = 0;
-  json resumed_state;
-  if (!cfg.resume.empty()) {
-    json state;
-    if (Status s = runtime::load_sharded_checkpoint(cfg.resume, &opt, &state); !s) return s;
-    if (Status s = check_resume(cfg, state, ds.content_hash(), &start); !s) return s;
-    resumed_state = std::move(state);
-  }
-  if (Status s = choose_gemm(cfg, resumed_state, ranks); !s) return s;
-  const int64_t end = cfg.stop_at_step > 0 ? cfg.stop_at_step : cfg.steps;
-  if (end <= start)
-    return Status::error("stop_at_step " + std::to_string(end) + " is not after the checkpoint's step " +
-                         std::to_string(start));
+// The mean duration of the step's attn_fwd ops, ms (0 when none ran).
+double mean_attention_ms(const graph::StepGraph& g, const runtime::StepTimeline& timeline) {
+  double sum = 0;
+  int n = 0;
+  for (const graph::Op& op : g.ops)
+    if (op.kind == graph::OpKind::attn_fwd && timeline.spans[op.id].end_ns >= 0) {
+      sum += 1e-6 * static_cast<double>(timeline.spans[op.id].end_ns - timeline.spans[op.id].start_ns);
+      ++n;
+    }
+  return n ? sum / n : 0.0;
+}
 
-  MetricsWriter metrics;
-  if (ranks.lead())
-    if (Status s = metrics.open(cfg.metrics, start > 0); !s) return s;
-  // Only the lead rank speaks; the others run silently.
-  auto say = [&](const char* fmt, auto... args) {
-    if (!ranks.lead()) return;
+// One training run on this rank, phase by phase (train() below calls them in order). Every phase
+// that communicates is collective: every rank calls it, in the same order.
+class TrainingRun {
+ public:
+  TrainingRun(const TrainConfig& cfg, Ranks& ranks) : cfg_(cfg), ranks_(ranks), strategy_(cfg) {}
+
+  Status set_up();           // data, model, groups, strategy, the step graph and its bodies, optimizer
+  Status resume();           // the checkpoint (checked before anything is written), the GEMM kernel
+  Status announce();         // the metrics file and the start-up lines
+  Status start_trace();      // the trace's common epoch
+  Status run_step(int64_t step, StepFigures* f);  // forward, backward, gradient sums, optimizer
+  Status trace_step(int64_t step);                // the step's spans; the trace file after its last step
+  Status after_step(int64_t step, const StepFigures& f);  // loads, strategy, metrics, progress
+  Status evaluate_and_save(int64_t done);
+  int64_t start() const { return start_; }
+  int64_t end() const { return end_; }
+  void finish();             // the last line
+
+ private:
+  Status save(int64_t step);
+  Status write_trace();
+  void say(const char* fmt, auto... args) {
+    if (!ranks_.lead()) return;  // only the lead rank speaks; the others run silently
     std::printf(fmt, args...);
     std::fflush(stdout);
-  };
+  }
 
-  say("moe train: %lld parameters (L%lld C%lld E%lld K%lld F%lld T%lld), %s %s\n",
-      static_cast<long long>(full_params), (long long)cfg.model.n_layers, (long long)cfg.model.d_model,
-      (long long)cfg.model.n_experts, (long long)cfg.model.top_k, (long long)cfg.model.d_ffn, (long long)T,
-      cfg.model.activation.c_str(), cfg.model.norm.c_str());
+  const TrainConfig& cfg_;
+  Ranks& ranks_;
+  int64_t B_ = 0, T_ = 0, Bl_ = 0;  // global batch, sequence length, this rank's rows of each batch
+  TextDataset ds_;
+  std::string data_path_;
+  std::unique_ptr<Model> model_;
+  int64_t full_params_ = 0;
+  runtime::Strategy strategy_;
+  int ep_size_ = 1;
+  graph::EpStepOptions gopt_;
+  graph::EpStep step_graph_;
+  std::unique_ptr<runtime::EpStepBodies> bodies_;
+  Fault fault_;
+  int64_t current_step_ = 0;  // 1-based, for the fault injection
+  runtime::OpBody body_;
+  runtime::Executor executor_;
+  std::unique_ptr<AdamW> opt_;
+  int64_t start_ = 0, end_ = 0;
+  json resumed_state_;
+  MetricsWriter metrics_;
+  std::vector<runtime::TraceRecord> trace_records_;
+  int64_t trace_end_ = 0, trace_epoch_ns_ = 0;
+  runtime::StepTimeline timeline_;
+  std::vector<int32_t> tokens_, targets_;
+  // Experts Hecate gathers behind each attention (Alg. 1's t): fixed, or from the last step's
+  // measured attention time, decided by rank 0 so every rank plans the same (invariant 2).
+  int overlap_degree_ = 0, overlap_used_ = 0;
+  double last_val_ = std::nan("");
+  double window_loss_ = 0, window_seconds_ = 0, window_exposed_ms_ = 0;  // since the last progress line
+  int64_t window_steps_ = 0;
+};
+
+Status TrainingRun::set_up() {
+  B_ = cfg_.batch_size, T_ = cfg_.model.seq_len;
+  if (B_ % ranks_.size != 0)
+    return Status::error("config: batch_size (" + std::to_string(B_) + ") must be a multiple of the ranks (" +
+                         std::to_string(ranks_.size) + ")");
+  Bl_ = B_ / ranks_.size;
+  if (Status s = open_training_data(cfg_, &ds_, &data_path_); !s) return s;
+  if (Status s = check_same_everywhere(ranks_, cfg_, ds_); !s) return s;
+
+  // Replicated parameters are the same on every rank; expert weights are divided among the ranks of
+  // an expert-parallel group (the largest that divides both the experts and the ranks), whose copies
+  // the data-parallel groups keep in step.
+  model_ = std::make_unique<Model>(cfg_.model, Bl_);
+  full_params_ = model_->num_params();
+  model_->init(cfg_.seed);
+  if (Status s = strategy_.ep_size(ranks_.size, &ep_size_); !s) return s;
+  if (ranks_.world) {
+    if (Status s = comm::detect_topology(*ranks_.world, cfg_.ranks_per_node, &ranks_.topology); !s) return s;
+    if (Status s = comm::make_groups(*ranks_.world, ep_size_, &ranks_.groups); !s) return s;
+    if (Status s = ranks_.world->dup("world-grad", &ranks_.grad_world); !s) return s;
+    if (Status s = ranks_.groups.dp->dup(ranks_.groups.dp->name() + "-grad", &ranks_.grad_dp); !s) return s;
+    model_->set_expert_parallel(ranks_.groups.ep.get(), ranks_.world.get());
+    model_->set_ce_grad_scale(1.0f / static_cast<float>(ranks_.size));
+    plan::Nodes nodes;
+    for (int r = 0; r < ranks_.size; ++r) nodes.node_of_rank.push_back(ranks_.topology.node_of(r));
+    if (strategy_.uses_placements())
+      if (Status s = ranks_.groups.ep->dup(ranks_.groups.ep->name() + "-gather", &ranks_.gather); !s) return s;
+    strategy_.attach(*model_, nodes, ranks_.gather.get());
+  }
+  // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
+  gopt_.world = ranks_.size;
+  gopt_.ep_size = ep_size_;
+  gopt_.batch = Bl_;
+  gopt_.allreduce_micro_bytes = cfg_.allreduce_micro_kb * 1024;
+  strategy_.configure(&gopt_);
+  step_graph_ = graph::build_ep_step(cfg_.model, gopt_);
+  runtime::PlacementHooks hooks;
+  hooks.place = [this](int64_t l) { return strategy_.place(l); };
+  hooks.rematerialize = gopt_.rematerialize;
+  bodies_ = std::make_unique<runtime::EpStepBodies>(*model_, step_graph_,
+                                                    runtime::GradComms{ranks_.grad_world.get(), ranks_.grad_dp.get()},
+                                                    hooks);
+  fault_ = fault_from_env();
+  body_ = [this](graph::Op& op) {
+    if ((op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::ffn_fwd) && op.layer == 0)
+      if (Status s = inject(fault_, ranks_.rank, current_step_); !s) return s;
+    return bodies_->run(op);
+  };
+  opt_ = std::make_unique<AdamW>(model_->params(), adamw_config(cfg_));
+  tokens_.resize(Bl_ * T_);
+  targets_.resize(Bl_ * T_);
+  overlap_degree_ = cfg_.overlap_degree >= 0 ? static_cast<int>(cfg_.overlap_degree) : 0;
+  return Status::ok();
+}
+
+Status TrainingRun::resume() {
+  if (!cfg_.resume.empty()) {
+    json state;
+    if (Status s = runtime::load_sharded_checkpoint(cfg_.resume, opt_.get(), &state); !s) return s;
+    if (Status s = check_resume(cfg_, state, ds_.content_hash(), &start_); !s) return s;
+    resumed_state_ = std::move(state);
+  }
+  if (Status s = choose_gemm(cfg_, resumed_state_, ranks_); !s) return s;
+  end_ = cfg_.stop_at_step > 0 ? cfg_.stop_at_step : cfg_.steps;
+  if (end_ <= start_)
+    return Status::error("stop_at_step " + std::to_string(end_) + " is not after the checkpoint's step " +
+                         std::to_string(start_));
+  return Status::ok();
+}
+
+Status TrainingRun::announce() {
+  if (ranks_.lead())
+    if (Status s = metrics_.open(cfg_.metrics, start_ > 0); !s) return s;
+  const ModelConfig& m = cfg_.model;
+  say("moe train: %lld parameters (L%lld C%lld E%lld K%lld F%lld T%lld), %s %s\n", (long long)full_params_,
+      (long long)m.n_layers, (long long)m.d_model, (long long)m.n_experts, (long long)m.top_k, (long long)m.d_ffn,
+      (long long)T_, m.activation.c_str(), m.norm.c_str());
   say("data: %s, %zu files, %.2f MB train / %.2f MB validation, unigram byte entropy %.4f nats\n",
-      data_path.c_str(), ds.files().size(), ds.train_bytes() / 1e6, ds.val_bytes() / 1e6, ds.unigram_entropy());
-  if (ranks.world) say("topology: %s\n", ranks.topology.describe().c_str());
+      data_path_.c_str(), ds_.files().size(), ds_.train_bytes() / 1e6, ds_.val_bytes() / 1e6, ds_.unigram_entropy());
+  if (ranks_.world) say("topology: %s\n", ranks_.topology.describe().c_str());
   say("ranks: %d (expert-parallel groups of %d: %lld experts per rank, %d replicas of each; %lld of %lld sequences "
       "per rank per step)\n",
-      ranks.size, ranks.groups.ep_size, (long long)(cfg.model.n_experts / ranks.groups.ep_size), ranks.groups.dp_size,
-      (long long)Bl, (long long)B);
-  if (ranks.world) {
+      ranks_.size, ranks_.groups.ep_size, (long long)(m.n_experts / ranks_.groups.ep_size), ranks_.groups.dp_size,
+      (long long)Bl_, (long long)B_);
+  if (ranks_.world) {
     std::string detail;
-    if (strategy.replica_slots() > 0)
-      detail = str_cat(" (up to ", strategy.replica_slots(), " extra experts per rank and layer");
-    if (!detail.empty() && strategy.gathers_behind_attention())
+    if (strategy_.replica_slots() > 0)
+      detail = str_cat(" (up to ", strategy_.replica_slots(), " extra experts per rank and layer");
+    if (!detail.empty() && strategy_.gathers_behind_attention())
       detail += str_cat("; gathered behind attention: ",
-                        cfg.overlap_degree >= 0 ? std::to_string(cfg.overlap_degree) : "from attention time",
-                        cfg.rematerialize ? "; re-materialized for backward" : "");
-    say("strategy: %s%s\n", cfg.strategy.c_str(), detail.empty() ? "" : (detail + ")").c_str());
+                        cfg_.overlap_degree >= 0 ? std::to_string(cfg_.overlap_degree) : "from attention time",
+                        cfg_.rematerialize ? "; re-materialized for backward" : "");
+    say("strategy: %s%s\n", cfg_.strategy.c_str(), detail.empty() ? "" : (detail + ")").c_str());
   }
   say("gemm: %s\n", gemm_backend().c_str());
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
-  say("threads: %s%s%s\n", ranks.threads.describe().c_str(), wait_policy ? "; OMP_WAIT_POLICY=" : "",
+  say("threads: %s%s%s\n", ranks_.threads.describe().c_str(), wait_policy ? "; OMP_WAIT_POLICY=" : "",
       wait_policy ? wait_policy : "");
-  say("batch %lld x %lld tokens; %lld steps\n", (long long)B, (long long)T, (long long)cfg.steps);
-  if (start > 0) say("resume: from %s at step %lld\n", cfg.resume.c_str(), (long long)start);
+  say("batch %lld x %lld tokens; %lld steps\n", (long long)B_, (long long)T_, (long long)cfg_.steps);
+  if (start_ > 0) say("resume: from %s at step %lld\n", cfg_.resume.c_str(), (long long)start_);
+  return Status::ok();
+}
 
-  // The ranks of rank 0's expert-parallel group each write their part of the checkpoint, rank 0
-  // finishes it and every rank learns whether it succeeded (all ranks then return the same Status).
-  auto save = [&](int64_t step) -> Status {
-    json state{{"step", step},
-               {"data_hash", hex64(ds.content_hash())},
-               {"gemm", gemm_backend_name()},
-               {"identity", resume_identity(cfg)},
-               {"config", cfg.to_json()},
-               {"ranks", ranks.size}};
-    const bool writes = ranks.rank < ranks.groups.ep_size;  // the expert-parallel group of rank 0
-    Status s = runtime::save_sharded_checkpoint(cfg.checkpoint_dir, opt, ranks.groups.ep.get(), writes, state);
-    int64_t failed = s ? 0 : 1;
-    if (Status c = ranks.sum(&failed, 1); !c) return c;
-    if (failed && s) return Status::error("checkpoint: rank 0 could not write " + cfg.checkpoint_dir);
-    return s;
-  };
+// The trace covers steps (start, start + trace_steps], timed from one epoch for all ranks: rank 0's
+// moment on the realtime clock, which the ranks of one machine share exactly and machines share to
+// NTP's accuracy. (Each rank taking its own epoch after a barrier leaves them apart by the barrier's
+// exit skew: milliseconds when the ranks oversubscribe the cores, which misplaces a collective's
+// members against each other.) Each rank holds the epoch on its steady clock, which the runtime's
+// timelines use.
+Status TrainingRun::start_trace() {
+  trace_end_ = std::min(end_, start_ + cfg_.trace_steps);
+  if (cfg_.trace.empty()) return Status::ok();
+  auto ns = [](auto t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); };
+  int64_t epoch_realtime_ns = ns(std::chrono::system_clock::now());
+  if (ranks_.world)
+    if (Status s = ranks_.world->broadcast(&epoch_realtime_ns, 1, 0); !s) return s;
+  const int64_t steady_now = ns(Clock::now()), realtime_now = ns(std::chrono::system_clock::now());
+  trace_epoch_ns_ = steady_now - (realtime_now - epoch_realtime_ns);
+  return Status::ok();
+}
 
-  // The trace covers steps (start, start + trace_steps], timed from one epoch for all ranks: rank 0's
-  // moment on the realtime clock, which the ranks of one machine share exactly and machines share to
-  // NTP's accuracy. (Each rank taking its own epoch after a barrier leaves them apart by the barrier's
-  // exit skew: milliseconds when the ranks oversubscribe the cores, which misplaces a collective's
-  // members against each other.) Each rank holds the epoch on its steady clock, which the runtime's
-  // timelines use.
-  std::vector<runtime::TraceRecord> trace_records;
-  const int64_t trace_end = std::min(end, start + cfg.trace_steps);
-  int64_t trace_epoch_ns = 0;
-  if (!cfg.trace.empty()) {
-    auto ns = [](auto t) { return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count(); };
-    int64_t epoch_realtime_ns = ns(std::chrono::system_clock::now());
-    if (ranks.world)
-      if (Status s = ranks.world->broadcast(&epoch_realtime_ns, 1, 0); !s) return s;
-    const int64_t steady_now = ns(Clock::now()), realtime_now = ns(std::chrono::system_clock::now());
-    trace_epoch_ns = steady_now - (realtime_now - epoch_realtime_ns);
+Status TrainingRun::write_trace() {
+  std::vector<int64_t> mine = runtime::flatten(trace_records_), all = mine;
+  if (ranks_.world) {
+    int64_t n = static_cast<int64_t>(mine.size());
+    std::vector<int64_t> counts(ranks_.size), displs(ranks_.size);
+    if (Status s = ranks_.world->allgather(&n, 1, counts.data()); !s) return s;
+    for (int r = 1; r < ranks_.size; ++r) displs[r] = displs[r - 1] + counts[r - 1];
+    all.assign(displs.back() + counts.back(), 0);
+    if (Status s = ranks_.world->allgatherv(mine.data(), n, all.data(), counts, displs); !s) return s;
   }
-  auto write_trace = [&]() -> Status {
-    std::vector<int64_t> mine = runtime::flatten(trace_records), all = mine;
-    if (ranks.world) {
-      int64_t n = static_cast<int64_t>(mine.size());
-      std::vector<int64_t> counts(ranks.size), displs(ranks.size);
-      if (Status s = ranks.world->allgather(&n, 1, counts.data()); !s) return s;
-      for (int r = 1; r < ranks.size; ++r) displs[r] = displs[r - 1] + counts[r - 1];
-      all.assign(displs.back() + counts.back(), 0);
-      if (Status s = ranks.world->allgatherv(mine.data(), n, all.data(), counts, displs); !s) return s;
-    }
-    Status s = ranks.lead() ? runtime::write_chrome_trace(cfg.trace, step_graph.graph, runtime::unflatten(all),
-                                                          ranks.size)
-                            : Status::ok();
-    int64_t failed = s ? 0 : 1;
-    if (Status c = ranks.sum(&failed, 1); !c) return c;
-    if (failed && s) return Status::error("trace: rank 0 could not write " + cfg.trace);
-    return s;
+  Status s = ranks_.lead() ? runtime::write_chrome_trace(cfg_.trace, step_graph_.graph, runtime::unflatten(all),
+                                                         ranks_.size)
+                           : Status::ok();
+  int64_t failed = s ? 0 : 1;
+  if (Status c = ranks_.sum(&failed, 1); !c) return c;
+  if (failed && s) return Status::error("trace: rank 0 could not write " + cfg_.trace);
+  return s;
+}
+
+// The ranks of rank 0's expert-parallel group each write their part of the checkpoint, rank 0
+// finishes it and every rank learns whether it succeeded (all ranks then return the same Status).
+Status TrainingRun::save(int64_t step) {
+  json state{{"step", step},
+             {"data_hash", hex64(ds_.content_hash())},
+             {"gemm", gemm_backend_name()},
+             {"identity", resume_identity(cfg_)},
+             {"config", cfg_.to_json()},
+             {"ranks", ranks_.size}};
+  const bool writes = ranks_.rank < ranks_.groups.ep_size;  // the expert-parallel group of rank 0
+  Status s = runtime::save_sharded_checkpoint(cfg_.checkpoint_dir, *opt_, ranks_.groups.ep.get(), writes, state);
+  int64_t failed = s ? 0 : 1;
+  if (Status c = ranks_.sum(&failed, 1); !c) return c;
+  if (failed && s) return Status::error("checkpoint: rank 0 could not write " + cfg_.checkpoint_dir);
+  return s;
+}
+
+Status TrainingRun::run_step(int64_t step, StepFigures* f) {
+  current_step_ = step + 1;
+  const auto t0 = Clock::now();
+  ds_.batch_rows(step, B_, ranks_.rank * Bl_, Bl_, tokens_.data(), targets_.data());
+  model_->zero_grad();
+  model_->begin_step(tokens_.data(), targets_.data(), Bl_);
+  overlap_used_ = overlap_degree_;
+  strategy_.before_step(overlap_used_);
+  // Forward, backward and the gradient sums (each rank's gradients are its share of the global
+  // batch's, Model::set_ce_grad_scale, so their sum is the whole batch's).
+  timeline_ = runtime::StepTimeline();
+  if (Status s = executor_.run(step_graph_.graph, body_, &timeline_); !s) return s;
+  if (Status s = trace_step(step); !s) return s;
+  // Where the step's time went, averaged over ranks; the MoE times per rank.
+  const runtime::StepBreakdown br = runtime::breakdown(step_graph_.graph, timeline_);
+  double rank_times[2] = {0, 0};  // moe_ms, expert_ms
+  moe_times(step_graph_.graph, timeline_, cfg_.model.n_layers, &rank_times[0], &rank_times[1]);
+  std::vector<double> all_rank_times(rank_times, rank_times + 2);
+  if (ranks_.world) {
+    all_rank_times.assign(2 * ranks_.size, 0);
+    if (Status s = ranks_.world->allgather(rank_times, 2, all_rank_times.data()); !s) return s;
+  }
+  f->moe_ms_per_rank = per_rank(all_rank_times, 0);
+  f->expert_ms_per_rank = per_rank(all_rank_times, 1);
+  double times[6] = {br.compute_ms,   br.exposed_comm_ms,     br.comm_ms,
+                     br.allreduce_ms, br.allreduce_hidden_ms, mean_attention_ms(step_graph_.graph, timeline_)};
+  if (Status s = ranks_.sum(times, 6); !s) return s;
+  for (double& t : times) t /= ranks_.size;
+  f->compute_ms = times[0], f->exposed_comm_ms = times[1], f->comm_ms = times[2];
+  f->allreduce_ms = times[3], f->allreduce_hidden_ms = times[4], f->attn_ms = times[5];
+  f->loss = model_->cross_entropy();
+  if (ranks_.world) {
+    if (Status s = ranks_.sum(&f->loss, 1); !s) return s;
+    f->loss /= ranks_.size;
+  }
+  if (!std::isfinite(f->loss) || !std::isfinite(model_->moe_loss()))
+    return Status::error("training diverged: loss is " + std::to_string(f->loss) + " at step " +
+                         std::to_string(step + 1) + " (try a lower --lr)");
+  // The optimizer: expert shards' squared norms summed over the ep group.
+  Status norm_status;
+  auto sum_over_shards = [&](double x) {
+    if (ranks_.world && norm_status) norm_status = ranks_.groups.ep->allreduce(&x, 1);
+    return x;
   };
+  f->grad_norm = opt_->clip_grad_norm(
+      cfg_.grad_clip > 0 ? static_cast<float>(cfg_.grad_clip) : std::numeric_limits<float>::infinity(),
+      sum_over_shards);
+  if (!norm_status) return norm_status;
+  f->lr = lr_at(step, cfg_.steps, cfg_.warmup_steps, static_cast<float>(cfg_.lr), static_cast<float>(cfg_.min_lr));
+  opt_->step(f->lr);
+  f->seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return Status::ok();
+}
 
-  std::vector<int32_t> tokens(Bl * T), targets(Bl * T);
-  std::vector<int64_t> load_buf;
-  // Experts Hecate gathers behind each attention (Alg. 1's t): fixed, or from the last step's
-  // measured attention time, decided by rank 0 so every rank plans the same (invariant 2).
-  int overlap_degree = cfg.overlap_degree >= 0 ? static_cast<int>(cfg.overlap_degree) : 0;
-  double last_val = std::nan("");
-  double window_loss = 0, window_seconds = 0, window_exposed_ms = 0;
-  int64_t window_steps = 0;
-  for (int64_t step = start; step < end; ++step) {
-    current_step = step + 1;
-    auto t0 = Clock::now();
-    ds.batch_rows(step, B, ranks.rank * Bl, Bl, tokens.data(), targets.data());
-    model.zero_grad();
-    model.begin_step(tokens.data(), targets.data(), Bl);
-    const int overlap_used = overlap_degree;
-    strategy.before_step(overlap_used);
-    // Forward, backward and the gradient sums (each rank's gradients are its share of the global
-    // batch's, Model::set_ce_grad_scale, so their sum is the whole batch's).
-    runtime::StepTimeline timeline;
-    if (Status s = executor.run(step_graph.graph, body, &timeline); !s) return s;
-    if (!cfg.trace.empty() && step < trace_end) {
-      runtime::append_records(&trace_records, step_graph.graph, timeline, ranks.rank, step + 1, trace_epoch_ns);
-      if (step + 1 == trace_end) {
-        if (Status s = write_trace(); !s) return s;
-        say("trace: steps %lld-%lld of %d rank(s) written to %s\n", (long long)(start + 1), (long long)trace_end,
-            ranks.size, cfg.trace.c_str());
-      }
-    }
-    // Where the step's time went, averaged over ranks.
-    const runtime::StepBreakdown br = runtime::breakdown(step_graph.graph, timeline);
-    double attn_ms = 0;  // mean attn_fwd op
-    int n_attn = 0;
-    for (const graph::Op& op : step_graph.graph.ops)
-      if (op.kind == graph::OpKind::attn_fwd && timeline.spans[op.id].end_ns >= 0) {
-        attn_ms += 1e-6 * static_cast<double>(timeline.spans[op.id].end_ns - timeline.spans[op.id].start_ns);
-        ++n_attn;
-      }
-    if (n_attn) attn_ms /= n_attn;
-    // The MoE layers' share of the step on this rank (gate_fwd .. combine_fwd and combine_bwd ..
-    // gate_bwd of every MoE block, waits included) and its expert GEMMs (expert_fwd + expert_bwd).
-    double rank_times[2] = {0, 0};  // moe_ms, expert_ms
-    {
-      std::vector<int64_t> first(cfg.model.n_layers * 2, -1), last(cfg.model.n_layers * 2, -1);
-      for (const graph::Op& op : step_graph.graph.ops) {
-        const runtime::OpSpan& sp = timeline.spans[op.id];
-        if (op.layer < 0 || sp.end_ns < 0 || op.stream != graph::kComputeStream) continue;
-        if (op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::expert_bwd)
-          rank_times[1] += 1e-6 * static_cast<double>(sp.end_ns - sp.start_ns);
-        const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
-                         op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
-                         op.kind == graph::OpKind::combine_fwd;
-        const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
-                         op.kind == graph::OpKind::gate_bwd;
-        if (!fwd && !bwd) continue;
-        const size_t i = op.layer * 2 + (bwd ? 1 : 0);
-        first[i] = first[i] < 0 ? sp.start_ns : std::min(first[i], sp.start_ns);
-        last[i] = std::max(last[i], sp.end_ns);
-      }
-      for (size_t i = 0; i < first.size(); ++i)
-        if (first[i] >= 0) rank_times[0] += 1e-6 * static_cast<double>(last[i] - first[i]);
-    }
-    std::vector<double> all_rank_times(rank_times, rank_times + 2);
-    if (ranks.world) {
-      all_rank_times.assign(2 * ranks.size, 0);
-      if (Status s = ranks.world->allgather(rank_times, 2, all_rank_times.data()); !s) return s;
-    }
-    double times[6] = {br.compute_ms, br.exposed_comm_ms, br.comm_ms, br.allreduce_ms, br.allreduce_hidden_ms, attn_ms};
-    if (Status s = ranks.sum(times, 6); !s) return s;
-    for (double& t : times) t /= ranks.size;
-    double loss = model.cross_entropy();
-    if (ranks.world) {
-      if (Status s = ranks.sum(&loss, 1); !s) return s;
-      loss /= ranks.size;
-    }
-    if (!std::isfinite(loss) || !std::isfinite(model.moe_loss()))
-      return Status::error("training diverged: loss is " + std::to_string(loss) + " at step " +
-                           std::to_string(step + 1) + " (try a lower --lr)");
-    Status norm_status;
-    auto sum_over_shards = [&](double x) {
-      if (ranks.world && norm_status) norm_status = ranks.groups.ep->allreduce(&x, 1);
-      return x;
-    };
-    double grad_norm = opt.clip_grad_norm(
-        cfg.grad_clip > 0 ? static_cast<float>(cfg.grad_clip) : std::numeric_limits<float>::infinity(),
-        sum_over_shards);
-    if (!norm_status) return norm_status;
-    float lr = lr_at(step, cfg.steps, cfg.warmup_steps, static_cast<float>(cfg.lr), static_cast<float>(cfg.min_lr));
-    opt.step(lr);
-    double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    window_loss += loss;
-    window_seconds += seconds;
-    window_exposed_ms += times[1];
-    ++window_steps;
+Status TrainingRun::trace_step(int64_t step) {
+  if (cfg_.trace.empty() || step >= trace_end_) return Status::ok();
+  runtime::append_records(&trace_records_, step_graph_.graph, timeline_, ranks_.rank, step + 1, trace_epoch_ns_);
+  if (step + 1 != trace_end_) return Status::ok();
+  if (Status s = write_trace(); !s) return s;
+  say("trace: steps %lld-%lld of %d rank(s) written to %s\n", (long long)(start_ + 1), (long long)trace_end_,
+      ranks_.size, cfg_.trace.c_str());
+  return Status::ok();
+}
 
-    const int64_t done = step + 1;
-    if (cfg.overlap_degree < 0 && strategy.uses_placements()) {
-      int64_t t = plan::overlap_degree(times[5] * 1e-3, cfg.link_gbs * 1e9, strategy.expert_bytes());
-      if (ranks.world)
-        if (Status s = ranks.world->broadcast(&t, 1, 0); !s) return s;
-      overlap_degree = static_cast<int>(t);
-    }
-    std::vector<LayerLoad> loads = model.load_stats();
-    // Global load: kept assignments per expert summed over ranks; rows each rank's experts ran.
-    const int64_t E = cfg.model.n_experts;
-    load_buf.assign(loads.size() * (E + 1), 0);
-    std::vector<int64_t> rows_mine(loads.size()), rows_all(loads.size() * ranks.size);
-    for (size_t i = 0; i < loads.size(); ++i) {
-      std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), load_buf.begin() + i * (E + 1));
-      load_buf[i * (E + 1) + E] = loads[i].dropped;
-      rows_mine[i] = model.moe_layer(loads[i].layer)->expert_rows();
-    }
-    if (Status s = ranks.sum(load_buf.data(), static_cast<int64_t>(load_buf.size())); !s) return s;
-    if (ranks.world) {
-      if (Status s = ranks.world->allgather(rows_mine.data(), static_cast<int64_t>(rows_mine.size()), rows_all.data());
-          !s)
-        return s;
-    } else {
-      rows_all = rows_mine;
-    }
-    // What the strategy moved and held: extra replicas (the same plan on every rank), sparse-collective
-    // bytes (sent + received, summed over ranks) and per-rank memory (the largest rank's).
-    int64_t replicas = 0, sparse_bytes = 0;
-    for (const LayerLoad& ll : loads) {
-      MoeLayer* moe = model.moe_layer(ll.layer);
-      if (!moe->placements_enabled()) continue;
-      for (const std::vector<int>& r : moe->placement().replicas) replicas += static_cast<int64_t>(r.size()) - 1;
-      sparse_bytes += moe->take_sparse_bytes();
-    }
-    int64_t param_bytes = 0;
-    for (const Param* p : opt.params()) param_bytes += static_cast<int64_t>(p->value.numel() * sizeof(float));
-    std::vector<int64_t> memory{param_bytes, model.replica_memory().peak()};
-    model.replica_memory().reset_peak();
-    if (ranks.world) {
-      std::vector<int64_t> all(2 * ranks.size);
-      if (Status s = ranks.world->allgather(memory.data(), 2, all.data()); !s) return s;
-      for (int r = 0; r < ranks.size; ++r)
-        for (int i = 0; i < 2; ++i) memory[i] = std::max(memory[i], all[2 * r + i]);
-      if (Status s = ranks.sum(&sparse_bytes, 1); !s) return s;
-    }
-    std::vector<std::vector<int64_t>> global_loads;
-    json per_layer_tokens = json::array(), per_layer_imbalance = json::array(), per_layer_dropped = json::array();
-    json per_layer_rank_tokens = json::array(), per_layer_rank_imbalance = json::array();
-    for (size_t i = 0; i < loads.size(); ++i) {
-      loads[i].tokens_per_expert.assign(load_buf.begin() + i * (E + 1), load_buf.begin() + i * (E + 1) + E);
-      loads[i].dropped = load_buf[i * (E + 1) + E];
-      per_layer_tokens.push_back(loads[i].tokens_per_expert);
-      global_loads.push_back(loads[i].tokens_per_expert);
-      per_layer_imbalance.push_back(imbalance(loads[i].tokens_per_expert));
-      per_layer_dropped.push_back(loads[i].dropped);
-      std::vector<int64_t> per_rank(ranks.size);
-      for (int r = 0; r < ranks.size; ++r) per_rank[r] = rows_all[r * loads.size() + i];
-      per_layer_rank_tokens.push_back(per_rank);
-      per_layer_rank_imbalance.push_back(imbalance(per_rank));
-    }
-    // The strategy learns this step's loads, then re-shards when due (Hecate's Alg. 2, SmartMoE).
-    strategy.observe(global_loads);
-    int experts_moved = 0;
-    try {
-      experts_moved = strategy.reshard(opt, done);
-    } catch (const std::runtime_error& e) {
-      return Status::error(std::string("re-sharding: ") + e.what());
-    }
-    metrics.write({{"step", done},
-                   {"loss", loss},
-                   {"aux_loss", model.aux_loss()},
-                   {"z_loss", model.z_loss()},
-                   {"lr", lr},
-                   {"grad_norm", grad_norm},
-                   {"step_ms", seconds * 1e3},
-                   {"tokens_per_s", B * T / seconds},
-                   {"compute_ms", times[0]},
-                   {"exposed_comm_ms", times[1]},
-                   {"comm_ms", times[2]},
-                   {"allreduce_ms", times[3]},
-                   {"allreduce_hidden_ms", times[4]},
-                   {"load_imbalance", per_layer_imbalance},
-                   {"tokens_per_rank", per_layer_rank_tokens},
-                   {"rank_imbalance", per_layer_rank_imbalance},
-                   {"dropped", per_layer_dropped},
-                   {"tokens_per_expert", per_layer_tokens},
-                   {"strategy", cfg.strategy},
-                   {"gemm", gemm_backend_name()},
-                   {"threads", ranks.threads.threads},
-                   // per rank: MoE layers' time and expert GEMM time (see above)
-                   {"moe_ms_per_rank", per_rank(all_rank_times, 0)},
-                   {"expert_ms_per_rank", per_rank(all_rank_times, 1)},
-                   {"replicas", replicas},
-                   {"overlap_degree", overlap_used},
-                   {"calibrations", strategy.take_calibrations()},
-                   {"experts_moved", experts_moved},
-                   {"sparse_bytes", sparse_bytes},
-                   // Per rank (the largest): parameters held, their gradients (the same size) and
-                   // AdamW's two moments, plus the peak of materialized replicas (weights + grads).
-                   {"memory_bytes",
-                    {{"params", memory[0]},
-                     {"grads", memory[0]},
-                     {"optimizer", 2 * memory[0]},
-                     {"replicas_peak", memory[1]}}}});
-
-    if (done % cfg.log_every == 0 || done == end) {
-      // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
-      std::string rank_load;
-      if (ranks.world) {
-        // The slowest rank sets the pace: its expert rows over the mean, worst layer; and the share of
-        // the step the compute stream waited on communication.
-        double worst = 1;
-        for (const auto& r : per_layer_rank_imbalance) worst = std::max(worst, r.get<double>());
-        char buf[64];
-        std::snprintf(buf, sizeof buf, "  ranks max/mean %.2f  comm %2.0f%%", worst,
-                      100.0 * window_exposed_ms / (1e3 * window_seconds));
-        rank_load = buf;
-      }
-      say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
-          (long long)done, (long long)cfg.steps, window_loss / window_steps,
-          model.aux_loss() / std::max<size_t>(1, loads.size()), lr, grad_norm, window_steps * B * T / window_seconds,
-          load_imbalance_line(loads).c_str(), rank_load.c_str());
-      window_loss = window_seconds = window_exposed_ms = 0;
-      window_steps = 0;
-    }
-
-    if (Status s = evaluate_and_checkpoint(
-            cfg, done, end, cfg.eval_batches * B, ranks.lead(), metrics,
-            [&](double* loss) { return evaluate(model, ds, ranks, B, cfg.eval_batches, loss); }, save, &last_val);
+Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
+  window_loss_ += f.loss;
+  window_seconds_ += f.seconds;
+  window_exposed_ms_ += f.exposed_comm_ms;
+  ++window_steps_;
+  const int64_t done = step + 1;
+  if (cfg_.overlap_degree < 0 && strategy_.uses_placements()) {
+    int64_t t = plan::overlap_degree(f.attn_ms * 1e-3, cfg_.link_gbs * 1e9, strategy_.expert_bytes());
+    if (ranks_.world)
+      if (Status s = ranks_.world->broadcast(&t, 1, 0); !s) return s;
+    overlap_degree_ = static_cast<int>(t);
+  }
+  // Global load: kept assignments per expert summed over ranks; rows each rank's experts ran.
+  std::vector<LayerLoad> loads = model_->load_stats();
+  const int64_t E = cfg_.model.n_experts;
+  std::vector<int64_t> load_buf(loads.size() * (E + 1), 0);
+  std::vector<int64_t> rows_mine(loads.size()), rows_all(loads.size() * ranks_.size);
+  for (size_t i = 0; i < loads.size(); ++i) {
+    std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), load_buf.begin() + i * (E + 1));
+    load_buf[i * (E + 1) + E] = loads[i].dropped;
+    rows_mine[i] = model_->moe_layer(loads[i].layer)->expert_rows();
+  }
+  if (Status s = ranks_.sum(load_buf.data(), static_cast<int64_t>(load_buf.size())); !s) return s;
+  if (ranks_.world) {
+    if (Status s = ranks_.world->allgather(rows_mine.data(), static_cast<int64_t>(rows_mine.size()), rows_all.data());
         !s)
       return s;
+  } else {
+    rows_all = rows_mine;
   }
+  // What the strategy moved and held: extra replicas (the same plan on every rank), sparse-collective
+  // bytes (sent + received, summed over ranks) and per-rank memory (the largest rank's).
+  int64_t replicas = 0, sparse_bytes = 0;
+  for (const LayerLoad& ll : loads) {
+    MoeLayer* moe = model_->moe_layer(ll.layer);
+    if (!moe->placements_enabled()) continue;
+    for (const std::vector<int>& r : moe->placement().replicas) replicas += static_cast<int64_t>(r.size()) - 1;
+    sparse_bytes += moe->take_sparse_bytes();
+  }
+  int64_t param_bytes = 0;
+  for (const Param* p : opt_->params()) param_bytes += static_cast<int64_t>(p->value.numel() * sizeof(float));
+  std::vector<int64_t> memory{param_bytes, model_->replica_memory().peak()};
+  model_->replica_memory().reset_peak();
+  if (ranks_.world) {
+    std::vector<int64_t> all(2 * ranks_.size);
+    if (Status s = ranks_.world->allgather(memory.data(), 2, all.data()); !s) return s;
+    for (int r = 0; r < ranks_.size; ++r)
+      for (int i = 0; i < 2; ++i) memory[i] = std::max(memory[i], all[2 * r + i]);
+    if (Status s = ranks_.sum(&sparse_bytes, 1); !s) return s;
+  }
+  std::vector<std::vector<int64_t>> global_loads;
+  json per_layer_tokens = json::array(), per_layer_imbalance = json::array(), per_layer_dropped = json::array();
+  json per_layer_rank_tokens = json::array(), per_layer_rank_imbalance = json::array();
+  for (size_t i = 0; i < loads.size(); ++i) {
+    loads[i].tokens_per_expert.assign(load_buf.begin() + i * (E + 1), load_buf.begin() + i * (E + 1) + E);
+    loads[i].dropped = load_buf[i * (E + 1) + E];
+    per_layer_tokens.push_back(loads[i].tokens_per_expert);
+    global_loads.push_back(loads[i].tokens_per_expert);
+    per_layer_imbalance.push_back(imbalance(loads[i].tokens_per_expert));
+    per_layer_dropped.push_back(loads[i].dropped);
+    std::vector<int64_t> per_rank(ranks_.size);
+    for (int r = 0; r < ranks_.size; ++r) per_rank[r] = rows_all[r * loads.size() + i];
+    per_layer_rank_tokens.push_back(per_rank);
+    per_layer_rank_imbalance.push_back(imbalance(per_rank));
+  }
+  // The strategy learns this step's loads, then re-shards when due (Hecate's Alg. 2, SmartMoE).
+  strategy_.observe(global_loads);
+  int experts_moved = 0;
+  try {
+    experts_moved = strategy_.reshard(*opt_, done);
+  } catch (const std::runtime_error& e) {
+    return Status::error(std::string("re-sharding: ") + e.what());
+  }
+  metrics_.write({{"step", done},
+                  {"loss", f.loss},
+                  {"aux_loss", model_->aux_loss()},
+                  {"z_loss", model_->z_loss()},
+                  {"lr", f.lr},
+                  {"grad_norm", f.grad_norm},
+                  {"step_ms", f.seconds * 1e3},
+                  {"tokens_per_s", B_ * T_ / f.seconds},
+                  {"compute_ms", f.compute_ms},
+                  {"exposed_comm_ms", f.exposed_comm_ms},
+                  {"comm_ms", f.comm_ms},
+                  {"allreduce_ms", f.allreduce_ms},
+                  {"allreduce_hidden_ms", f.allreduce_hidden_ms},
+                  {"load_imbalance", per_layer_imbalance},
+                  {"tokens_per_rank", per_layer_rank_tokens},
+                  {"rank_imbalance", per_layer_rank_imbalance},
+                  {"dropped", per_layer_dropped},
+                  {"tokens_per_expert", per_layer_tokens},
+                  {"strategy", cfg_.strategy},
+                  {"gemm", gemm_backend_name()},
+                  {"threads", ranks_.threads.threads},
+                  // per rank: MoE layers' time and expert GEMM time (moe_times)
+                  {"moe_ms_per_rank", f.moe_ms_per_rank},
+                  {"expert_ms_per_rank", f.expert_ms_per_rank},
+                  {"replicas", replicas},
+                  {"overlap_degree", overlap_used_},
+                  {"calibrations", strategy_.take_calibrations()},
+                  {"experts_moved", experts_moved},
+                  {"sparse_bytes", sparse_bytes},
+                  // Per rank (the largest): parameters held, their gradients (the same size) and
+                  // AdamW's two moments, plus the peak of materialized replicas (weights + grads).
+                  {"memory_bytes",
+                   {{"params", memory[0]},
+                    {"grads", memory[0]},
+                    {"optimizer", 2 * memory[0]},
+                    {"replicas_peak", memory[1]}}}});
 
-  say("%s", training_end_message(cfg, end, last_val, ds.unigram_entropy()).c_str());
+  if (done % cfg_.log_every == 0 || done == end_) {
+    // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
+    std::string rank_load;
+    if (ranks_.world) {
+      // The slowest rank sets the pace: its expert rows over the mean, worst layer; and the share of
+      // the step the compute stream waited on communication.
+      double worst = 1;
+      for (const auto& r : per_layer_rank_imbalance) worst = std::max(worst, r.get<double>());
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "  ranks max/mean %.2f  comm %2.0f%%", worst,
+                    100.0 * window_exposed_ms_ / (1e3 * window_seconds_));
+      rank_load = buf;
+    }
+    say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
+        (long long)done, (long long)cfg_.steps, window_loss_ / window_steps_,
+        model_->aux_loss() / std::max<size_t>(1, loads.size()), f.lr, f.grad_norm,
+        window_steps_ * B_ * T_ / window_seconds_, load_imbalance_line(loads).c_str(), rank_load.c_str());
+    window_loss_ = window_seconds_ = window_exposed_ms_ = 0;
+    window_steps_ = 0;
+  }
+  return Status::ok();
+}
+
+Status TrainingRun::evaluate_and_save(int64_t done) {
+  return evaluate_and_checkpoint(
+      cfg_, done, end_, cfg_.eval_batches * B_, ranks_.lead(), metrics_,
+      [&](double* loss) { return evaluate(*model_, ds_, ranks_, B_, cfg_.eval_batches, loss); },
+      [&](int64_t step) { return save(step); }, &last_val_);
+}
+
+void TrainingRun::finish() { say("%s", training_end_message(cfg_, end_, last_val_, ds_.unigram_entropy()).c_str()); }
+
+Status train(const TrainConfig& cfg, Ranks& ranks) {
+  TrainingRun run(cfg, ranks);
+  if (Status s = run.set_up(); !s) return s;
+  if (Status s = run.resume(); !s) return s;
+  if (Status s = run.announce(); !s) return s;
+  if (Status s = run.start_trace(); !s) return s;
+  for (int64_t step = run.start(); step < run.end(); ++step) {
+    StepFigures figures;
+    if (Status s = run.run_step(step, &figures); !s) return s;
+    if (Status s = run.after_step(step, figures); !s) return s;
+    if (Status s = run.evaluate_and_save(step + 1); !s) return s;
+  }
+  run.finish();
   return Status::ok();
 }
 
