@@ -90,15 +90,23 @@ std::vector<std::vector<int64_t>> skewed(int layers, int experts) {
   return l;
 }
 
+// The attention time in which Hecate's t (Alg. 1, Eq. 1) comes to t + 1/2 experts at cost's bw.
+double attention_for(int t, const strategy::CostModel& cost) {
+  return (t + 0.5) * static_cast<double>(cost.expert_bytes) / cost.overlap_bandwidth;
+}
+
 TEST(StrategyDecisions, HecateReplicatesTheHotExpertItPredicts) {
-  auto h = make("hecate", setup(4));
+  const strategy::Setup s = setup(4);
+  auto h = make("hecate", s);
   const LayerPlacement owners = moe::plan::even_placement(8, 4);
-  for (int step = 0; step < 5; ++step) h->observe(skewed(2, 8));
-  // t = 0: nothing may be gathered behind the attention.
-  std::optional<LayerPlacement> p = h->before_step(0, owners, /*t=*/0);
+  // No attention time measured yet: t = 0, nothing may be gathered behind the attention.
+  for (int step = 0; step < 5; ++step) h->observe(skewed(2, 8), strategy::StepTimes{});
+  std::optional<LayerPlacement> p = h->before_step(0, owners);
   ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(h->overlap_degree(), 0);
   for (const std::vector<int>& r : p->replicas) EXPECT_EQ(r.size(), 1u);
-  p = h->before_step(0, owners, /*t=*/4);
+  h->observe(skewed(2, 8), strategy::StepTimes{attention_for(4, s.cost)});
+  p = h->before_step(0, owners);
   ASSERT_TRUE(p.has_value());
   EXPECT_GT(p->replicas[0].size(), 1u) << "the hot expert 0 is replicated";
   for (size_t e = 1; e < p->replicas.size(); ++e)
@@ -108,10 +116,27 @@ TEST(StrategyDecisions, HecateReplicatesTheHotExpertItPredicts) {
   EXPECT_EQ(h->replica_slots(), 2);  // E / R
 }
 
+TEST(StrategyDecisions, HecateTakesItsOverlapDegreeFromTheInterNodeBandwidth) {
+  // The paper's Alg. 1 bw is the inter-node bandwidth, not the rate one rank receives weights at.
+  strategy::Setup s = setup(4);
+  s.cost.bandwidth = 1e8;
+  s.cost.overlap_bandwidth = 4e9;
+  auto h = make("hecate", s);
+  h->observe(skewed(2, 8), strategy::StepTimes{attention_for(3, s.cost)});
+  h->before_step(0, moe::plan::even_placement(8, 4));
+  EXPECT_EQ(h->overlap_degree(), 3);
+  // A fixed --overlap-degree wins over the measured attention.
+  s.options.overlap_degree = 1;
+  auto fixed = make("hecate", s);
+  EXPECT_EQ(fixed->overlap_degree(), 1);
+  fixed->observe(skewed(2, 8), strategy::StepTimes{attention_for(3, s.cost)});
+  EXPECT_EQ(fixed->overlap_degree(), 1);
+}
+
 TEST(StrategyDecisions, FasterMoeShadowsAfterTheGateOnly) {
   auto f = make("fastermoe", setup(4));
   const LayerPlacement owners = moe::plan::even_placement(8, 4);
-  EXPECT_FALSE(f->before_step(0, owners, 0).has_value());
+  EXPECT_FALSE(f->before_step(0, owners).has_value());
   std::vector<std::vector<int64_t>> counts(4, std::vector<int64_t>(8, 10));
   for (auto& row : counts) row[0] = 5000;
   LayerPlacement placed;
@@ -126,10 +151,10 @@ TEST(StrategyDecisions, SmartMoeSwapsOnlyWhenDue) {
   std::vector<LayerPlacement> owners(2, moe::plan::even_placement(4, 2));  // experts 0,1 on rank 0
   std::vector<std::vector<int64_t>> hot_pair(2, std::vector<int64_t>{400, 400, 10, 10});
   for (int64_t done = 1; done <= 2; ++done) {
-    m->observe(hot_pair);
+    m->observe(hot_pair, strategy::StepTimes{});
     EXPECT_TRUE(m->reshard(done, owners).empty()) << "step " << done << " is not a multiple of 3";
   }
-  m->observe(hot_pair);
+  m->observe(hot_pair, strategy::StepTimes{});
   const std::vector<std::vector<int>> next = m->reshard(3, owners);
   ASSERT_EQ(next.size(), 2u);
   EXPECT_NE(next[0][0], next[0][1]) << "the two hot experts end on different ranks";
@@ -138,17 +163,17 @@ TEST(StrategyDecisions, SmartMoeSwapsOnlyWhenDue) {
 TEST(StrategyDecisions, FlexMoeStartsFromTheOwnersAndKeepsItsPlacement) {
   auto f = make("flexmoe", setup(4));
   const LayerPlacement owners = moe::plan::even_placement(8, 4);
-  std::optional<LayerPlacement> p = f->before_step(0, owners, 0);
+  std::optional<LayerPlacement> p = f->before_step(0, owners);
   ASSERT_TRUE(p.has_value());
   EXPECT_EQ(p->replicas, owners.replicas);
   EXPECT_EQ(f->replica_slots(), 1);
   for (int64_t done = 1; done <= 3; ++done) {
-    f->observe(skewed(2, 8));
+    f->observe(skewed(2, 8), strategy::StepTimes{});
     const std::vector<std::vector<int>> next = f->reshard(done, {owners, owners});
     ASSERT_EQ(next.size(), 2u);
   }
   // Once it re-planned under the skew, the next step gathers its replicas of expert 0.
-  p = f->before_step(0, owners, 0);
+  p = f->before_step(0, owners);
   ASSERT_TRUE(p.has_value());
   EXPECT_GT(p->replicas[0].size(), 1u);
 }

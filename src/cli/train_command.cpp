@@ -137,10 +137,10 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--overlap-degree", &TrainConfig::overlap_degree,
             "hecate: experts gathered behind attention (-1: from the measured attention time)");
   bind_flag(c, f, "--load-window", &TrainConfig::load_window, "hecate: steps of the load prediction window");
-  bind_flag(c, f, "--link-gbs", &TrainConfig::link_gbs, "GB/s the planners assume for moving expert weights");
+  bind_flag(c, f, "--link-gbs", &TrainConfig::link_gbs, "GB/s the planners assume for moving expert weights (default 0: measured at start-up)");
   bind_flag(c, f, "--gemm", &TrainConfig::gemm,
             "GEMM kernel: onednn, openblas, or auto (rank 0 times both; a resumed run keeps its checkpoint's)");
-  bind_flag(c, f, "--gemm-gflops", &TrainConfig::gemm_gflops, "GFLOP/s FasterMoE's cost model assumes");
+  bind_flag(c, f, "--gemm-gflops", &TrainConfig::gemm_gflops, "GFLOP/s the planners assume for expert GEMMs (default 0: measured at start-up)");
   bind_flag(c, f, "--reshard-every", &TrainConfig::reshard_every,
             "hecate, smartmoe: move expert shards to new owners every N steps (0: never); flexmoe: re-plan at "
             "least every N steps");

@@ -7,7 +7,10 @@
 namespace moe::runtime {
 
 Strategy::Strategy(const TrainConfig& cfg)
-    : cfg_(cfg), cost_(strategy::make_cost_model(cfg.model, cfg.link_gbs * 1e9, cfg.gemm_gflops * 1e9)) {
+    // Until set_cost_model: the flags, else placeholders (ep_size and configure do not use them).
+    : cfg_(cfg),
+      cost_(strategy::make_cost_model(cfg.model, cfg.link_gbs > 0 ? cfg.link_gbs * 1e9 : 1e9,
+                                      cfg.gemm_gflops > 0 ? cfg.gemm_gflops * 1e9 : 1e11)) {
   // One rank until attach() says otherwise (ep_size and configure do not depend on the ranks).
   if (Status s = strategy::make(cfg_.strategy, setup(plan::Nodes{{0}}), &impl_); !s)
     throw std::logic_error("runtime::Strategy: " + s.message());
@@ -23,6 +26,7 @@ strategy::Setup Strategy::setup(const plan::Nodes& nodes) const {
   s.options.replica_memory_bytes = static_cast<int64_t>(cfg_.replica_memory_mb * (1 << 20));
   s.options.load_window = static_cast<int>(cfg_.load_window);
   s.options.reshard_every = static_cast<int>(cfg_.reshard_every);
+  s.options.overlap_degree = static_cast<int>(cfg_.overlap_degree);
   s.cost = cost_;
   return s;
 }
@@ -33,6 +37,7 @@ void Strategy::configure(graph::EpStepOptions* opt) const {
 }
 
 void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather) {
+  nodes_ = nodes;
   if (Status s = strategy::make(cfg_.strategy, setup(nodes), &impl_); !s)
     throw std::logic_error("runtime::Strategy: " + s.message());
   if (uses_placements() && nodes.node_of_rank.size() > 1) model.enable_placements(nodes, gather);
@@ -45,9 +50,15 @@ void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator
     }
 }
 
-void Strategy::before_step(int overlap_degree) {
+void Strategy::set_cost_model(const strategy::CostModel& cost) {
+  cost_ = cost;
+  if (Status s = strategy::make(cfg_.strategy, setup(nodes_), &impl_); !s)
+    throw std::logic_error("runtime::Strategy: " + s.message());
+}
+
+void Strategy::before_step() {
   for (size_t i = 0; i < layers_.size(); ++i)
-    if (std::optional<plan::LayerPlacement> p = impl_->before_step(static_cast<int>(i), layers_[i]->owners(), overlap_degree))
+    if (std::optional<plan::LayerPlacement> p = impl_->before_step(static_cast<int>(i), layers_[i]->owners()))
       layers_[i]->set_placement(*p);
 }
 

@@ -36,14 +36,22 @@ class Strategy {
   // for these ranks. nodes: node of each rank; gather: the gather lane's communicator over the ep group.
   // The model's MoE layers are kept for the calls below (REQUIRES: model outlives this object).
   void attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather);
+  // The planners' cost model (runtime/measure_costs.h; until set, the one --link-gbs and
+  // --gemm-gflops give). Starts the strategy afresh: REQUIRES attach() done, before the first step.
+  void set_cost_model(const strategy::CostModel& cost);
+  const strategy::CostModel& cost_model() const { return cost_; }
 
-  // Before a step: each MoE layer's placement from the strategy. overlap_degree: the t of Alg. 1
-  // (the same on every rank).
-  void before_step(int overlap_degree);
+  // Before a step: each MoE layer's placement from the strategy.
+  void before_step();
   // The body of place(l), after block l's gate: the strategy's placement from this step's counts.
   Status place(int64_t block);
   // After a step: every MoE layer's global tokens per expert [L][E] (the same on every rank).
-  void observe(const std::vector<std::vector<int64_t>>& loads) { impl_->observe(loads); }
+  // times: the step's, averaged over ranks (Hecate's next t comes from its attention time).
+  void observe(const std::vector<std::vector<int64_t>>& loads, const strategy::StepTimes& times) {
+    impl_->observe(loads, times);
+  }
+  // Hecate: the overlap degree t of the last before_step; 0 for the others.
+  int overlap_degree() const { return impl_->overlap_degree(); }
   // After the optimizer of step `done` (1-based): moves the shards the strategy re-assigns, with their
   // AdamW moments. Collective over the ranks. Returns the experts that moved.
   int reshard(AdamW& opt, int64_t done);
@@ -62,6 +70,7 @@ class Strategy {
   TrainConfig cfg_;
   strategy::CostModel cost_;
   std::unique_ptr<strategy::Strategy> impl_;
+  plan::Nodes nodes_{{0}};
   // From attach: the placement-enabled MoE layers in order (the strategy's layer index is the
   // position here), and each block's position (-1: none).
   std::vector<MoeLayer*> layers_;

@@ -90,8 +90,8 @@ Status TrainConfig::validate() const {
     return fail("replica_memory_mb must be >= 0 (0: use replica_slots)");
   if (overlap_degree < -1) return fail("overlap_degree must be >= 0 (-1: from the measured attention time)");
   if (load_window < 1) return fail("load_window must be >= 1");
-  if (!(link_gbs > 0) || !std::isfinite(link_gbs)) return fail("link_gbs must be > 0");
-  if (!(gemm_gflops > 0) || !std::isfinite(gemm_gflops)) return fail("gemm_gflops must be > 0");
+  if (!(link_gbs >= 0) || !std::isfinite(link_gbs)) return fail("link_gbs must be >= 0 (0: measured)");
+  if (!(gemm_gflops >= 0) || !std::isfinite(gemm_gflops)) return fail("gemm_gflops must be >= 0 (0: measured)");
   if (stop_at_step < 0 || stop_at_step > steps)
     return fail("stop_at_step (" + std::to_string(stop_at_step) + ") must be in [0, steps]");
   namespace fs = std::filesystem;

@@ -63,8 +63,8 @@ struct TrainConfig {
                                   // buffers), MiB; > 0 sets the slots (Alg. 1's m) instead of replica_slots
   int64_t overlap_degree = -1;    // hecate: experts gathered behind attention (-1: from measured attention time)
   int64_t load_window = 5;        // hecate: steps of the sliding-window load prediction
-  double link_gbs = 10;           // GB/s the planners' cost models assume for moving expert weights
-  double gemm_gflops = 100;       // GFLOP/s FasterMoE's cost model assumes for expert GEMMs
+  double link_gbs = 0;            // GB/s the planners assume for moving expert weights (0: measured)
+  double gemm_gflops = 0;         // GFLOP/s the planners assume for expert GEMMs (0: measured)
   int64_t reshard_every = 100;    // hecate (Alg. 2), smartmoe: re-shard experts every N steps (0: never)
   // Where the model trains: "cpu" (this process's cores; any rank count and strategy) or "cuda" (one
   // GPU, one rank, strategy ep: cuda/train.h). Checkpoints are the same files either way, so a run

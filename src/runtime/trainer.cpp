@@ -30,6 +30,7 @@
 #include "runtime/cpu_threads.h"
 #include "runtime/ep_step_bodies.h"
 #include "runtime/executor.h"
+#include "runtime/measure_costs.h"
 #include "runtime/sharded_checkpoint.h"
 #include "plan/hecate.h"
 #include "runtime/strategy.h"
@@ -235,6 +236,14 @@ double mean_attention_ms(const graph::StepGraph& g, const runtime::StepTimeline&
   return n ? sum / n : 0.0;
 }
 
+// The cost model as the metrics record it (GB/s, us, GFLOP/s).
+json cost_model_json(const strategy::CostModel& c) {
+  return {{"intra_node_gbs", c.intra_node.bandwidth / 1e9}, {"intra_node_us", c.intra_node.latency * 1e6},
+          {"inter_node_gbs", c.inter_node.bandwidth / 1e9}, {"inter_node_us", c.inter_node.latency * 1e6},
+          {"weights_gbs", c.bandwidth / 1e9},               {"overlap_gbs", c.overlap_bandwidth / 1e9},
+          {"gemm_gflops", c.gemm_flops / 1e9}};
+}
+
 // One training run on this rank, phase by phase (train() below calls them in order). Every phase
 // that communicates is collective: every rank calls it, in the same order.
 class TrainingRun {
@@ -243,6 +252,7 @@ class TrainingRun {
 
   Status set_up();           // data, model, groups, strategy, the step graph and its bodies, optimizer
   Status resume();           // the checkpoint (checked before anything is written), the GEMM kernel
+  Status measure_costs();    // the planners' cost model, measured on this machine
   Status announce();         // the metrics file and the start-up lines
   Status start_trace();      // the trace's common epoch
   Status run_step(int64_t step, StepFigures* f);  // forward, backward, gradient sums, optimizer
@@ -271,6 +281,7 @@ class TrainingRun {
   int64_t full_params_ = 0;
   runtime::Strategy strategy_;
   int ep_size_ = 1;
+  plan::Nodes nodes_{{0}};  // node of each rank
   graph::EpStepOptions gopt_;
   graph::EpStep step_graph_;
   std::unique_ptr<runtime::EpStepBodies> bodies_;
@@ -286,9 +297,7 @@ class TrainingRun {
   int64_t trace_end_ = 0, trace_epoch_ns_ = 0;
   runtime::StepTimeline timeline_;
   std::vector<int32_t> tokens_, targets_;
-  // Experts Hecate gathers behind each attention (Alg. 1's t): fixed, or from the last step's
-  // measured attention time, decided by rank 0 so every rank plans the same (invariant 2).
-  int overlap_degree_ = 0, overlap_used_ = 0;
+  int overlap_used_ = 0;  // Hecate's t in this step
   double last_val_ = std::nan("");
   double window_loss_ = 0, window_seconds_ = 0, window_exposed_ms_ = 0;  // since the last progress line
   int64_t window_steps_ = 0;
@@ -317,11 +326,11 @@ Status TrainingRun::set_up() {
     if (Status s = ranks_.groups.dp->dup(ranks_.groups.dp->name() + "-grad", &ranks_.grad_dp); !s) return s;
     model_->set_expert_parallel(ranks_.groups.ep.get(), ranks_.world.get());
     model_->set_ce_grad_scale(1.0f / static_cast<float>(ranks_.size));
-    plan::Nodes nodes;
-    for (int r = 0; r < ranks_.size; ++r) nodes.node_of_rank.push_back(ranks_.topology.node_of(r));
+    nodes_.node_of_rank.clear();
+    for (int r = 0; r < ranks_.size; ++r) nodes_.node_of_rank.push_back(ranks_.topology.node_of(r));
     if (strategy_.uses_placements())
       if (Status s = ranks_.groups.ep->dup(ranks_.groups.ep->name() + "-gather", &ranks_.gather); !s) return s;
-    strategy_.attach(*model_, nodes, ranks_.gather.get());
+    strategy_.attach(*model_, nodes_, ranks_.gather.get());
   }
   // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
   gopt_.world = ranks_.size;
@@ -345,7 +354,6 @@ Status TrainingRun::set_up() {
   opt_ = std::make_unique<AdamW>(model_->params(), adamw_config(cfg_));
   tokens_.resize(Bl_ * T_);
   targets_.resize(Bl_ * T_);
-  overlap_degree_ = cfg_.overlap_degree >= 0 ? static_cast<int>(cfg_.overlap_degree) : 0;
   return Status::ok();
 }
 
@@ -361,6 +369,18 @@ Status TrainingRun::resume() {
   if (end_ <= start_)
     return Status::error("stop_at_step " + std::to_string(end_) + " is not after the checkpoint's step " +
                          std::to_string(start_));
+  return Status::ok();
+}
+
+// Every rank measures, the ranks agree on one set (runtime/measure_costs.h), and the strategy plans
+// with it from the first step. --link-gbs and --gemm-gflops override what they name.
+Status TrainingRun::measure_costs() {
+  const ModelConfig& m = cfg_.model;
+  const int64_t rows = std::max<int64_t>(1, B_ * T_ * m.top_k / m.n_experts);  // balanced rows per expert
+  runtime::RawCosts mine, agreed;
+  if (Status s = runtime::measure_costs(ranks_.world.get(), nodes_, m, rows, &mine); !s) return s;
+  if (Status s = runtime::agree_costs(ranks_.world.get(), mine, &agreed); !s) return s;
+  strategy_.set_cost_model(runtime::cost_model_from(m, agreed, nodes_, cfg_.link_gbs, cfg_.gemm_gflops));
   return Status::ok();
 }
 
@@ -389,6 +409,8 @@ Status TrainingRun::announce() {
     say("strategy: %s%s\n", cfg_.strategy.c_str(), detail.empty() ? "" : (detail + ")").c_str());
   }
   say("gemm: %s\n", gemm_backend().c_str());
+  say("cost model: %s%s\n", strategy::describe(strategy_.cost_model()).c_str(),
+      cfg_.link_gbs > 0 || cfg_.gemm_gflops > 0 ? " (with the --link-gbs / --gemm-gflops given)" : " (measured)");
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   say("threads: %s%s%s\n", ranks_.threads.describe().c_str(), wait_policy ? "; OMP_WAIT_POLICY=" : "",
       wait_policy ? wait_policy : "");
@@ -457,8 +479,8 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   ds_.batch_rows(step, B_, ranks_.rank * Bl_, Bl_, tokens_.data(), targets_.data());
   model_->zero_grad();
   model_->begin_step(tokens_.data(), targets_.data(), Bl_);
-  overlap_used_ = overlap_degree_;
-  strategy_.before_step(overlap_used_);
+  strategy_.before_step();
+  overlap_used_ = strategy_.overlap_degree();
   // Forward, backward and the gradient sums (each rank's gradients are its share of the global
   // batch's, Model::set_ce_grad_scale, so their sum is the whole batch's).
   timeline_ = runtime::StepTimeline();
@@ -521,12 +543,6 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
   window_exposed_ms_ += f.exposed_comm_ms;
   ++window_steps_;
   const int64_t done = step + 1;
-  if (cfg_.overlap_degree < 0 && strategy_.uses_placements()) {
-    int64_t t = plan::overlap_degree(f.attn_ms * 1e-3, cfg_.link_gbs * 1e9, strategy_.expert_bytes());
-    if (ranks_.world)
-      if (Status s = ranks_.world->broadcast(&t, 1, 0); !s) return s;
-    overlap_degree_ = static_cast<int>(t);
-  }
   // Global load: kept assignments per expert summed over ranks; rows each rank's experts ran.
   std::vector<LayerLoad> loads = model_->load_stats();
   const int64_t E = cfg_.model.n_experts;
@@ -581,7 +597,7 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
     per_layer_rank_imbalance.push_back(imbalance(per_rank));
   }
   // The strategy learns this step's loads, then re-shards when due (Hecate's Alg. 2, SmartMoE).
-  strategy_.observe(global_loads);
+  strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
   int experts_moved = 0;
   try {
     experts_moved = strategy_.reshard(*opt_, done);
@@ -614,6 +630,7 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
                   {"expert_ms_per_rank", f.expert_ms_per_rank},
                   {"replicas", replicas},
                   {"overlap_degree", overlap_used_},
+                  {"cost_model", cost_model_json(strategy_.cost_model())},
                   {"calibrations", strategy_.take_calibrations()},
                   {"experts_moved", experts_moved},
                   {"sparse_bytes", sparse_bytes},
@@ -661,6 +678,7 @@ Status train(const TrainConfig& cfg, Ranks& ranks) {
   TrainingRun run(cfg, ranks);
   if (Status s = run.set_up(); !s) return s;
   if (Status s = run.resume(); !s) return s;
+  if (Status s = run.measure_costs(); !s) return s;
   if (Status s = run.announce(); !s) return s;
   if (Status s = run.start_trace(); !s) return s;
   for (int64_t step = run.start(); step < run.end(); ++step) {

@@ -74,9 +74,6 @@ class PlacementStrategy : public SimStrategy {
   void step_graphs(const StepLoad& load, std::vector<graph::StepGraph>* out) override {
     const ModelConfig& m = setup_.model;
     const int R = setup_.ranks, E = static_cast<int>(m.n_experts);
-    // t of this step: fixed, or as the trainer: 0 before any step was measured, then from attention.
-    int t = setup_.placement.overlap_degree;
-    if (t < 0) t = steps_ == 0 ? 0 : plan::overlap_degree(attn_s_, cost_.bandwidth, cost_.expert_bytes);
     std::vector<LayerStepPlacement> layers;
     std::vector<std::vector<int64_t>> global(load.size(), std::vector<int64_t>(E, 0));
     stats_ = PlacementStats{};
@@ -89,7 +86,7 @@ class PlacementStrategy : public SimStrategy {
         }
       const int layer = static_cast<int>(i);
       const plan::LayerPlacement& owners = owners_.at(i);
-      plan::LayerPlacement planned = impl_->before_step(layer, owners, t).value_or(owners);
+      plan::LayerPlacement planned = impl_->before_step(layer, owners).value_or(owners);
       plan::LayerPlacement placed = planned;
       impl_->after_gate(layer, owners, planned, counts, &placed);
       for (const std::vector<int>& r : placed.replicas) stats_.replicas += static_cast<int64_t>(r.size()) - 1;
@@ -101,7 +98,7 @@ class PlacementStrategy : public SimStrategy {
     for (int r = 0; r < R; ++r) fill_placement_costs(m, opt_, layers, r, &(*out)[r]);
     schedules_ = sim::sparse_schedules(step_.graph, m, layers);
     // After the step, as the trainer: the strategy sees the global loads, then re-shards when due.
-    impl_->observe(global);
+    impl_->observe(global, strategy::StepTimes{attn_s_});
     ++steps_;
     stats_.experts_moved = reshard();
   }
@@ -247,6 +244,25 @@ double placement_bandwidth(const Cluster& cluster) {
   return std::isfinite(bw) ? bw : s.node.device.mem_bandwidth;
 }
 
+double overlap_bandwidth(const Cluster& cluster) {
+  const ClusterSpec& s = cluster.spec();
+  if (cluster.n_nodes() > 1) return s.node.nic_port.bandwidth * static_cast<double>(s.node.nic_switch.size());
+  return placement_bandwidth(cluster);
+}
+
+void cluster_links(const Cluster& cluster, strategy::LinkCost* intra_node, strategy::LinkCost* inter_node) {
+  *intra_node = *inter_node = strategy::LinkCost{};
+  for (int d = 1; d < cluster.devices_per_node(); ++d) {
+    const std::vector<int> path = cluster.route(0, d);
+    const double bw = cluster.path_bandwidth(path);
+    if (intra_node->bandwidth == 0 || bw < intra_node->bandwidth) *intra_node = {cluster.path_latency(path), bw};
+  }
+  if (cluster.n_nodes() > 1) {
+    const std::vector<int> path = cluster.route(0, cluster.devices_per_node());
+    *inter_node = {cluster.path_latency(path), cluster.path_bandwidth(path)};
+  }
+}
+
 Status make_placement_strategy(const std::string& name, const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
   std::unique_ptr<strategy::Strategy> probe;  // for what does not depend on the setup's cost model
   strategy::Setup probe_setup;
@@ -280,6 +296,7 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   setup.options.replica_slots = s.placement.replica_slots;
   setup.options.load_window = s.placement.load_window;
   setup.options.reshard_every = s.placement.reshard_every;
+  setup.options.overlap_degree = s.placement.overlap_degree;
   probe->configure(&opt);
   // The cost model from the modeled cluster: the device's GEMM rate on the balanced expert_fwd op
   // (compute.h's efficiency curve) and the mean attn_fwd time (the trainer's t measures it).
@@ -298,6 +315,9 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
                            kind_speed(s.device, graph::op_kind_name(OpKind::expert_fwd));
   const double bandwidth = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
   setup.cost = strategy::make_cost_model(s.model, bandwidth, gemm_rate);
+  setup.cost.overlap_bandwidth = s.placement.link_gbs > 0 ? bandwidth : s.overlap_bandwidth > 0 ? s.overlap_bandwidth : bandwidth;
+  setup.cost.intra_node = s.intra_node;
+  setup.cost.inter_node = s.inter_node;
   std::unique_ptr<strategy::Strategy> impl;
   if (Status st = strategy::make(name, setup, &impl); !st) return st;
   *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, std::move(step), setup.cost,

@@ -5,19 +5,19 @@
 // (moe/moe_layer_replicas.cpp) and EpStepBodies (runtime/ep_step_bodies.cpp) record them.
 //
 // Per MoE layer l and step, the strategy (strategy/strategy.h) decides and the simulator applies:
-//   before the step  planned = before_step(l, owners, t), or the owners when it plans nothing; t: the
-//                    option, or (as the trainer) 0 on the first step and then plan::overlap_degree(
-//                    attn_fwd time, bandwidth, expert bytes) with the attn_fwd time the compute model
-//                    gives that op;
+//   before the step  planned = before_step(l, owners), or the owners when it plans nothing (Hecate's
+//                    t comes from the attention time of the last observe, as in the trainer);
 //   after the gate   placed = after_gate(l, owners, planned, counts), or planned;
 //                    counts[r][e] = the step's load (the kept assignments, what routed_counts gives);
-//   after the step   observe(the global loads), then reshard(steps, owners): the owners it re-assigns
+//   after the step   observe(the global loads, the attn_fwd time the compute model gives that op),
+//                    then reshard(steps, owners): the owners it re-assigns
 //                    (Alg. 2, SmartMoE's swaps, FlexMoE's re-plans);
 //   sizes            dispatch / combine all-to-alls from rows = plan::dispatch_plan(placed, nodes,
 //                    counts) (float32 rows of C), expert FLOPs from the rows a rank receives, the sparse
 //                    ops' peer bytes from their comm::SparsePlan over W*E chunks of F*C floats.
-// Cost-model inputs the runtime takes from flags (--link-gbs, --gemm-gflops) come from the modeled
-// cluster here: bandwidth = placement_bandwidth() unless PlacementOptions::link_gbs says otherwise; the
+// Cost-model inputs the runtime measures at start-up (runtime/measure_costs.h) come from the modeled
+// cluster's datasheet figures here: bandwidth = placement_bandwidth(), overlap_bandwidth =
+// overlap_bandwidth() (both PlacementOptions::link_gbs when set), the links from cluster_links(); the
 // GEMM rate = the device's rate on the balanced expert_fwd op (compute.h's efficiency curve).
 #pragma once
 
@@ -84,6 +84,13 @@ std::vector<SparseSchedule> sparse_schedules(const graph::StepGraph& g, const Mo
 // rank gathers at once, through the node's NICs: the inter-node bandwidth the paper prescribes for t);
 // on one node the slowest route from device 0 to another device.
 double placement_bandwidth(const Cluster& cluster);
+// Hecate's Alg. 1 bw on `cluster` (the paper: "the inter-node bandwidth" when inter-node links are much
+// slower than intra-node ones): with several nodes a node's NIC line rate (all its NICs; a replica
+// crosses into a node once and spreads inside it), on one node placement_bandwidth().
+double overlap_bandwidth(const Cluster& cluster);
+// The two link classes as alpha-beta, from the slowest route between devices 0 and 1..D-1 of node 0
+// (intra) and from device 0 to the first device of node 1 (inter); bandwidth 0 where there is none.
+void cluster_links(const Cluster& cluster, strategy::LinkCost* intra_node, strategy::LinkCost* inter_node);
 
 // A registered strategy that places experts (strategy::places_experts; sim_strategies() offers every
 // one). Errors: an unknown name, ep_size != ranks, n_experts not a multiple of the ranks, missing node

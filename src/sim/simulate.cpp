@@ -139,6 +139,8 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
   for (int r = 0; r < R; ++r) setup.node_of_rank.push_back(cluster.node_of(r));  // rank r on device r
   setup.device = cluster.device();
   setup.bandwidth = placement_bandwidth(cluster);
+  setup.overlap_bandwidth = overlap_bandwidth(cluster);
+  cluster_links(cluster, &setup.intra_node, &setup.inter_node);
   std::unique_ptr<SimStrategy> strategy;
   try {
     if (Status s = sim_strategies().at(cfg.strategy).make(setup, &strategy); !s) return s;

@@ -28,6 +28,7 @@
 #include "sim/cluster.h"
 #include "sim/executor.h"
 #include "sim/load.h"
+#include "strategy/strategy.h"
 #include "util/status.h"
 
 namespace moe::sim {
@@ -52,11 +53,13 @@ struct StrategySetup {
   int64_t batch_per_rank = 1;       // sequences
   int64_t allreduce_micro_bytes = 256 << 10;
   // Placement strategies: their options, the node of each rank, the device (the compute model's
-  // attention time and GEMM rate) and the bandwidth their cost models assume (bytes/s).
+  // attention time and GEMM rate) and the links their cost models assume (cluster_links()).
   PlacementOptions placement;
   std::vector<int> node_of_rank;
   DeviceSpec device;
-  double bandwidth = 0;
+  double bandwidth = 0;          // bytes/s a rank receives expert weights at (placement_bandwidth)
+  double overlap_bandwidth = 0;  // Hecate's Alg. 1 bw (overlap_bandwidth(cluster))
+  strategy::LinkCost intra_node, inter_node;
 };
 
 // What a placement strategy decided in the last step (zeros for EP).

@@ -25,15 +25,15 @@ class FlexMoe : public Strategy {
   const char* name() const override { return "flexmoe"; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_before_gate = true; }
   // The persistent placement, first the owners' own.
-  std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners, int t) override {
-    (void)t;
+  std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners) override {
     while (static_cast<int>(placement_.size()) <= layer) {
       placement_.push_back(owners);
       since_.push_back(0);
     }
     return placement_[layer];
   }
-  void observe(const std::vector<std::vector<int64_t>>& loads) override {
+  void observe(const std::vector<std::vector<int64_t>>& loads, const StepTimes& times) override {
+    (void)times;
     if (!loads.empty()) predictor_.observe(loads);
   }
   // Every step: each layer re-plans when its balance or its interval says so.

@@ -7,6 +7,7 @@
 // calibration (plan::calibrate) gathers more replicas when the actual loads differ from the
 // prediction enough to pay for a second gather. Every reshard_every steps Alg. 2
 // (plan::heterogeneous_sharding) re-assigns the owners of all MoE layers together.
+#include <algorithm>
 #include <memory>
 
 #include "plan/hecate.h"
@@ -21,7 +22,8 @@ class Hecate : public Strategy {
   explicit Hecate(const Setup& s)
       : s_(s),
         predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), s.options.load_window),
-        reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100) {
+        reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100),
+        t_(std::max(0, s.options.overlap_degree)) {
     // A replica costs its weights and, in backward, their gradient buffer (plan::memory_slots counts
     // weights only, so it is given half the budget).
     if (s.options.replica_memory_bytes > 0)
@@ -36,9 +38,8 @@ class Hecate : public Strategy {
     opt->gather_after_gate = true;  // the calibration's second gather, when it pays
     opt->rematerialize = s_.options.rematerialize;
   }
-  std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners, int t) override {
-    t_ = t;
-    return plan::sparse_materialize(owners, predictor_.predict(layer), t, slots_, s_.nodes);
+  std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners) override {
+    return plan::sparse_materialize(owners, predictor_.predict(layer), t_, slots_, s_.nodes);
   }
   bool after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
                   const std::vector<std::vector<int64_t>>& counts, plan::LayerPlacement* out) override {
@@ -50,8 +51,12 @@ class Hecate : public Strategy {
     ++calibrations_;
     return true;
   }
-  void observe(const std::vector<std::vector<int64_t>>& loads) override {
+  // t for the next step (§4.2, Eq. 1): as many experts as arrive at the inter-node bandwidth while
+  // the attention computes, or the fixed --overlap-degree; 0 before any step was measured.
+  void observe(const std::vector<std::vector<int64_t>>& loads, const StepTimes& times) override {
     if (!loads.empty()) predictor_.observe(loads);
+    if (s_.options.overlap_degree < 0 && times.attention_seconds > 0 && s_.cost.overlap_bandwidth > 0)
+      t_ = plan::overlap_degree(times.attention_seconds, s_.cost.overlap_bandwidth, s_.cost.expert_bytes);
   }
   std::vector<std::vector<int>> reshard(int64_t done, const std::vector<plan::LayerPlacement>& owners) override {
     if (reshard_every_ <= 0 || done % reshard_every_ != 0 || owners.empty()) return {};
@@ -68,7 +73,7 @@ class Hecate : public Strategy {
   plan::LoadPredictor predictor_;
   int reshard_every_ = 0;
   int slots_ = 0;
-  int t_ = 0;  // the overlap degree of this step
+  int t_ = 0;  // the overlap degree of this step (Alg. 1's t)
 };
 
 }  // namespace

@@ -17,7 +17,8 @@ class SmartMoe : public Strategy {
       : reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100),
         predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), std::max(1, reshard_every_)) {}
   const char* name() const override { return "smartmoe"; }
-  void observe(const std::vector<std::vector<int64_t>>& loads) override {
+  void observe(const std::vector<std::vector<int64_t>>& loads, const StepTimes& times) override {
+    (void)times;
     if (!loads.empty()) predictor_.observe(loads);
   }
   std::vector<std::vector<int>> reshard(int64_t done, const std::vector<plan::LayerPlacement>& owners) override {

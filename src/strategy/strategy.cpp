@@ -1,7 +1,9 @@
 // The Strategy defaults, the cost model, and the registry (strategy.h).
 #include "strategy/strategy.h"
 
+#include <cstdio>
 #include <numeric>
+#include <utility>
 
 #include "util/str_cat.h"
 
@@ -62,13 +64,26 @@ bool places_experts(const std::string& name) {
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops) {
   CostModel c;
   const int64_t mats = model.activation == "swiglu" ? 3 : 2;
-  c.bandwidth = bandwidth;
+  c.bandwidth = c.overlap_bandwidth = bandwidth;
   c.gemm_flops = gemm_flops;
   c.expert_bytes = mats * model.d_model * model.d_ffn * static_cast<int64_t>(sizeof(float));
   // Forward and backward: 3 GEMM passes over the expert's matrices.
   c.expert_seconds_per_token = 3 * 2 * static_cast<double>(mats) * static_cast<double>(model.d_model * model.d_ffn) /
                                gemm_flops;
   return c;
+}
+
+std::string describe(const CostModel& c) {
+  char buf[160];
+  std::string out;
+  for (const auto& [name, l] : {std::pair{"intra", c.intra_node}, std::pair{"inter", c.inter_node}})
+    if (l.bandwidth > 0) {
+      std::snprintf(buf, sizeof buf, "%s %.3g GB/s %.0f us, ", name, l.bandwidth / 1e9, l.latency * 1e6);
+      out += buf;
+    }
+  std::snprintf(buf, sizeof buf, "gemm %.0f GFLOP/s, weights at %.3g GB/s, t from %.3g GB/s", c.gemm_flops / 1e9,
+                c.bandwidth / 1e9, c.overlap_bandwidth / 1e9);
+  return out + buf;
 }
 
 Status Strategy::ep_size(const ModelConfig& model, int world, int* out) const {
@@ -79,8 +94,8 @@ Status Strategy::ep_size(const ModelConfig& model, int world, int* out) const {
   return Status::ok();
 }
 
-std::optional<plan::LayerPlacement> Strategy::before_step(int layer, const plan::LayerPlacement& owners, int t) {
-  (void)layer, (void)owners, (void)t;
+std::optional<plan::LayerPlacement> Strategy::before_step(int layer, const plan::LayerPlacement& owners) {
+  (void)layer, (void)owners;
   return std::nullopt;
 }
 

@@ -29,15 +29,34 @@
 
 namespace moe::strategy {
 
-// What the planners assume about the machine.
+// One class of link, alpha-beta: a message of n bytes takes latency + n / bandwidth seconds.
+struct LinkCost {
+  double latency = 0;    // seconds (alpha)
+  double bandwidth = 0;  // bytes/s (1 / beta); 0: no such link in this job
+};
+
+// What the planners know about the machine: measured at start-up by the trainer
+// (runtime/measure_costs.h), from the topology preset's datasheet figures in the simulator.
 struct CostModel {
+  LinkCost intra_node, inter_node;      // between ranks of one host / of two hosts
   double bandwidth = 0;                 // bytes/s a rank receives expert weights at
+  // Hecate's Alg. 1 bw, for the overlap degree t: the inter-node bandwidth when the ranks span
+  // nodes, else the uniform inter-device one.
+  double overlap_bandwidth = 0;
   double gemm_flops = 0;                // FLOP/s of the expert GEMMs
   int64_t expert_bytes = 0;             // one expert's weights (2 matrices, 3 with SwiGLU, f32)
   double expert_seconds_per_token = 0;  // one token through one expert, forward and backward
 };
-// The cost model of `model`'s experts at these rates. REQUIRES: gemm_flops > 0.
+// The cost model of `model`'s experts at these rates; overlap_bandwidth = bandwidth, no links.
+// REQUIRES: gemm_flops > 0.
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops);
+// "intra 9.8 GB/s 4 us, inter 0.118 GB/s 60 us, gemm 410 GFLOP/s, weights 1.2 GB/s, t from 0.118 GB/s"
+std::string describe(const CostModel& c);
+
+// What a step measured that a planner may use (the same on every rank: averaged over ranks).
+struct StepTimes {
+  double attention_seconds = 0;  // mean attn_fwd op of the step (0: not measured)
+};
 
 // The strategies' knobs (moe train's flags of the same names).
 struct Options {
@@ -46,6 +65,7 @@ struct Options {
                                      // flexmoe: its reserved slots (-1: 1)
   int64_t replica_memory_bytes = 0;  // hecate: > 0 sets the slots from this budget per rank and layer
   int load_window = 5;               // hecate, flexmoe: steps of the load predictor's window
+  int overlap_degree = -1;           // hecate: Alg. 1's t (-1: from the last step's attention time)
   int reshard_every = -1;            // hecate, smartmoe: re-shard every N steps (-1: 100; 0: never);
                                      // flexmoe: re-plan at least every N steps (-1 or 0: 50)
 };
@@ -72,16 +92,18 @@ class Strategy {
 
   // Before a step, MoE layer `layer` (0-based among MoE layers) whose shards live at `owners`: the
   // placement to gather before the gate, or nothing when this strategy plans none (the layer then
-  // dispatches over its owners unless after_gate says otherwise). t: the overlap degree of this step
-  // (Hecate's Alg. 1).
-  virtual std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners, int t);
+  // dispatches over its owners unless after_gate says otherwise).
+  virtual std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners);
   // After layer `layer`'s gate: true and *out set when tokens should go over another placement than
   // `in_force` (the one gathered before the gate). counts [R][E]: tokens each rank routed to each
   // expert this step.
   virtual bool after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
                           const std::vector<std::vector<int64_t>>& counts, plan::LayerPlacement* out);
-  // After a step: every MoE layer's global tokens per expert [L][E] (the same on every rank).
-  virtual void observe(const std::vector<std::vector<int64_t>>& loads) { (void)loads; }
+  // After a step: every MoE layer's global tokens per expert [L][E] and the step's times (the same
+  // on every rank).
+  virtual void observe(const std::vector<std::vector<int64_t>>& loads, const StepTimes& times) {
+    (void)loads, (void)times;
+  }
   // After the optimizer of step `done` (1-based): the new owner of every expert of every MoE layer,
   // given the owners now, or an empty vector when nothing is due. The caller moves the shards.
   virtual std::vector<std::vector<int>> reshard(int64_t done, const std::vector<plan::LayerPlacement>& owners) {
