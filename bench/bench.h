@@ -46,6 +46,11 @@ int sparse_collectives(const BenchOptions& opt);
 // 100 Mbit/s, 1 Gbit/s, 10 Gbit/s next to 2 ranks on one host. Return the exit code.
 int cluster_collectives(const BenchOptions& opt);
 int cluster_ep_training(const BenchOptions& opt);
+// bench/cluster_strategies.cpp, on an emulated cluster (root): every strategy on 2 hosts x 1 and x 2
+// ranks, NIC 1 and 10 Gbit/s, router skew 1.5 and 0, in interleaved rounds: step time, ratio to ep,
+// exposed communication, sparse bytes, rank imbalance, Hecate's t, and the simulator's prediction of
+// each run (calibrated on a local run made first). Returns the exit code.
+int cluster_strategies(const BenchOptions& opt);
 
 // The training strategies (ep, hecate, hecate --rematerialize, fastermoe, smartmoe, flexmoe) on 2 MPI ranks with a
 // skewed router, next to EP with an unskewed router: step time, MoE-layer time of the busiest rank,

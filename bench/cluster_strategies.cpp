@@ -1,0 +1,216 @@
+// moe bench cluster-strategies: see bench.h.
+//
+// Every training strategy across emulated hosts (scripts/cluster.sh: NICs capped by tc; root), where
+// the project's promise lives: the router sends tokens unevenly across nodes. Per configuration
+// (2 hosts x 1 rank and 2 hosts x 2 ranks; NIC 1 Gbit/s and 10 Gbit/s; router skew 0 and 1.5) the
+// strategies run `moe train` (default model and corpus, --threads 1, the cost model each run measures
+// at start-up) in --repeats rounds (default 2) that interleave them, so the machine's drifts weigh on
+// all alike. Columns, medians over the rounds of each run's median over its steps after the warm-up:
+//   step ms      the runtime's step_ms (rank 0): the step's wall time, optimizer included
+//   vs ep        step ms / ep's step ms in the same configuration (below 1: faster than ep)
+//   exposed ms   communication the compute stream waited for (mean over ranks)
+//   sparse MB    bytes the sparse collectives moved per step (gathers of replicas, their gradients;
+//                sent + received, all ranks)
+//   ranks m/m    expert rows of the busiest rank over the mean, worst MoE layer
+//   t            Hecate's overlap degree (Alg. 1), from the measured inter-node bandwidth
+//   sim ms       the simulator's prediction of the same run: calibrated on a local 2-rank ep run made
+//                at the start of this bench (sim/calibrate.h), the hosts joined by one NIC each at the
+//                configured cap, each run's own recorded loads replayed, the same strategy object
+//   sim err      predicted / measured step graph time (compute + exposed communication, which the
+//                simulator models; the optimizer is in neither) - 1
+// All hosts of the emulation share this machine's cores; with 2 ranks per host, 4 ranks take turns on
+// them, and the table's header says how many cores there are.
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "bench/emulated_cluster.h"
+#include "sim/calibrate.h"
+#include "sim/simulate.h"
+#include "util/shell.h"
+#include "util/str_cat.h"
+
+namespace moe::bench {
+namespace {
+
+constexpr const char* kCluster = "moestrat";
+constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
+constexpr int kSteps = 12, kWarmup = 3;
+
+struct Run {
+  bool ok = false;
+  double step_ms = 0, graph_ms = 0, exposed_ms = 0, sparse_mb = 0, rank_imbalance = 0, t = 0;
+  std::string metrics;  // the run's metrics file (kept for the simulator's replay)
+};
+
+Run train(const std::string& launch, const std::string& args, const std::string& metrics, const std::string& trace) {
+  Run run;
+  std::filesystem::remove(metrics);
+  std::string cmd = str_cat(launch, " ", self_exe("moe"), " train --steps ", kSteps, " --log-every ", kSteps,
+                            " --eval-batches 1 --threads 1 --metrics ", metrics, " ", args);
+  if (!trace.empty()) cmd += str_cat(" --trace ", trace, " --trace-steps ", kSteps);
+  const ShellResult r = run_shell(cmd);
+  if (r.exit_code != 0) {
+    std::fprintf(stderr, "bench cluster-strategies: '%s' failed (exit %d):\n%s", cmd.c_str(), r.exit_code,
+                 r.output.c_str());
+    return run;
+  }
+  std::vector<double> step, graph, exposed, sparse, ranks, t;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("step_ms") || j["step"].get<int>() <= kWarmup) continue;
+    step.push_back(j["step_ms"]);
+    graph.push_back(j["compute_ms"].get<double>() + j["exposed_comm_ms"].get<double>());
+    exposed.push_back(j["exposed_comm_ms"]);
+    sparse.push_back(j["sparse_bytes"].get<double>() / 1e6);
+    double worst = 1;
+    for (const auto& x : j["rank_imbalance"]) worst = std::max(worst, x.get<double>());
+    ranks.push_back(worst);
+    t.push_back(j["overlap_degree"]);
+  }
+  run.ok = !step.empty();
+  run.step_ms = median(step), run.graph_ms = median(graph), run.exposed_ms = median(exposed);
+  run.sparse_mb = median(sparse), run.rank_imbalance = median(ranks), run.t = median(t);
+  run.metrics = metrics;
+  return run;
+}
+
+// The simulated graph time of a run of `strategy` replaying its recorded load (steps after the
+// first; the same definition as Run::graph_ms).
+Status predict(const sim::ClusterSpec& cluster, const std::string& strategy, int reshard_every, int ranks,
+               const std::string& metrics, double* ms) {
+  sim::SimRunConfig cfg;
+  cfg.cluster = cluster;
+  cfg.model = ModelConfig{};
+  cfg.strategy = strategy;
+  cfg.placement.reshard_every = reshard_every;
+  cfg.ranks = ranks;
+  cfg.ep_size = ranks;
+  cfg.batch = 16;
+  cfg.steps = kSteps;
+  cfg.allreduce_micro_bytes = 256 << 10;  // moe train's default
+  cfg.load.kind = sim::LoadSpec::Kind::recorded;
+  cfg.load.file = metrics;
+  sim::SimRunResult res;
+  if (Status s = sim::simulate(cfg, &res); !s) return s;
+  std::vector<double> pred;
+  for (size_t k = kWarmup; k < res.steps.size(); ++k)
+    pred.push_back(res.steps[k].mean.compute_ms + res.steps[k].mean.exposed_comm_ms);
+  *ms = median(pred);
+  return Status::ok();
+}
+
+}  // namespace
+
+int cluster_strategies(const BenchOptions& opt) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / str_cat("moe_bench_cluster_strategies_", getpid());
+  fs::create_directories(dir);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  const int rounds = std::max(1, opt.repeats == 5 ? 2 : opt.repeats);  // --repeats; default 2 here
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const std::vector<std::string> strategies = {"ep", "hecate", "fastermoe", "smartmoe --reshard-every 5", "flexmoe"};
+  struct Config {
+    int ranks_per_host;
+    const char* nic;
+    double nic_bits;
+    double skew;
+  };
+  std::vector<Config> configs;
+  for (int rph : {1, 2})
+    for (auto [nic, bits] : {std::pair{"1gbit", 1e9}, std::pair{"10gbit", 1e10}})
+      for (double skew : {1.5, 0.0}) configs.push_back({rph, nic, bits, skew});
+
+  std::printf("# moe bench cluster-strategies: moe train, default model and corpus, --threads 1, %d steps (medians "
+              "after %d), %d interleaved rounds; 2 emulated hosts sharing this machine's %d cores\n",
+              kSteps, kWarmup, rounds, cores);
+  std::fflush(stdout);
+
+  // The simulator's calibration: a local 2-rank ep run (traced) on this machine now.
+  const std::string local = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none";
+  const Run cal_run = train(local, "", (dir / "cal.jsonl").string(), (dir / "cal.trace.json").string());
+  if (!cal_run.ok) return 1;
+  sim::CalibrationResult cal;
+  if (Status s = sim::calibrate((dir / "cal.jsonl").string() + "," + (dir / "cal.trace.json").string(), ModelConfig{},
+                                &cal, {cores, 1});
+      !s) {
+    std::fprintf(stderr, "bench cluster-strategies: %s\n", s.message().c_str());
+    return 1;
+  }
+
+  EmulatedCluster cluster(kCluster, configs[0].nic);
+  if (!cluster.up()) {
+    std::fprintf(stderr, "moe bench cluster-strategies: %s\n", cluster.why().c_str());
+    return 1;
+  }
+  // runs[c][s]: every round's run of strategy s in configuration c.
+  std::vector<std::vector<std::vector<Run>>> runs(configs.size(), std::vector<std::vector<Run>>(strategies.size()));
+  int failed = 0;
+  for (size_t c = 0; c < configs.size(); ++c) {
+    const Config& cf = configs[c];
+    if (!cluster.shape(cf.nic)) return 1;
+    const std::string launch = cluster.command(str_cat("run --ranks-per-node ", cf.ranks_per_host, " --"));
+    for (int r = 0; r < rounds; ++r)
+      for (size_t s = 0; s < strategies.size(); ++s) {
+        const std::string file = (dir / str_cat("c", c, "_s", s, "_r", r, ".jsonl")).string();
+        Run run = train(launch, str_cat("--router-skew ", cf.skew, " --strategy ", strategies[s]), file, "");
+        failed += run.ok ? 0 : 1;
+        runs[c][s].push_back(std::move(run));
+      }
+    std::fprintf(stderr, "bench cluster-strategies: configuration %zu of %zu done\n", c + 1, configs.size());
+  }
+
+  for (size_t c = 0; c < configs.size(); ++c) {
+    const Config& cf = configs[c];
+    const int ranks = 2 * cf.ranks_per_host;
+    sim::ClusterSpec spec;
+    const Status spec_status = sim::two_node_cluster(cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, &spec);
+    std::printf("\n2 hosts x %d rank(s), NIC %s, router skew %.1f\n", cf.ranks_per_host, cf.nic, cf.skew);
+    std::printf("%-28s %8s %6s %10s %9s %9s %4s %8s %8s\n", "strategy", "step ms", "vs ep", "exposed ms", "sparse MB",
+                "ranks m/m", "t", "sim ms", "sim err");
+    auto med = [&](size_t s, double Run::*field) {
+      std::vector<double> v;
+      for (const Run& r : runs[c][s])
+        if (r.ok) v.push_back(r.*field);
+      return median(v);
+    };
+    const double ep_step = med(0, &Run::step_ms);
+    for (size_t s = 0; s < strategies.size(); ++s) {
+      if (med(s, &Run::step_ms) == 0) {
+        std::printf("%-28s failed (see above)\n", strategies[s].c_str());
+        continue;
+      }
+      std::vector<double> pred;
+      const std::string name = strategies[s].substr(0, strategies[s].find(' '));
+      const int reshard_every = strategies[s].find("--reshard-every 5") != std::string::npos ? 5 : -1;
+      for (const Run& r : runs[c][s]) {
+        double ms = 0;
+        if (r.ok && spec_status && predict(spec, name, reshard_every, ranks, r.metrics, &ms)) pred.push_back(ms);
+      }
+      const double p = median(pred), g = med(s, &Run::graph_ms);
+      std::printf("%-28s %8.1f %6.2f %10.1f %9.2f %9.2f %4.0f %8s %8s\n", strategies[s].c_str(), med(s, &Run::step_ms),
+                  ep_step > 0 ? med(s, &Run::step_ms) / ep_step : 0, med(s, &Run::exposed_ms), med(s, &Run::sparse_mb),
+                  med(s, &Run::rank_imbalance), med(s, &Run::t), p > 0 ? str_cat(static_cast<int>(p + 0.5)).c_str() : "-",
+                  p > 0 && g > 0 ? str_cat(p / g > 1 ? "+" : "", static_cast<int>(100 * (p / g - 1) + (p > g ? 0.5 : -0.5)), "%").c_str() : "-");
+    }
+  }
+  std::printf("\nsim: calibrated on a local 2-rank ep run of this bench (%s)\n", cal_run.ok ? "ok" : "failed");
+  return failed ? 1 : 0;
+}
+
+}  // namespace moe::bench
