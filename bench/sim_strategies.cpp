@@ -1,5 +1,5 @@
-// moe bench sim-strategies: see bench.h. The Hecate paper's end-to-end setting (papers/hecate-fssdp.txt
-// §5.1-5.2) in the simulator, strategies side by side on the same load, next to the speedups the paper
+// moe bench sim-strategies: see bench.h. The Hecate paper's end-to-end setting (its §5.1-5.2) in
+// the simulator, strategies side by side on the same load, next to the speedups the paper
 // reports.
 //
 // Models (Table 1; experts are FFNs with d_ffn = 2 d_model, GShard top-2 gating):

@@ -499,7 +499,7 @@ FasterMoeModel small_model() {
   return FasterMoeModel{4, 2.0, 4, 64.0, 128.0};
 }
 
-// The shadowing loop of READING-GUIDE.md, written out again from its formulas.
+// The shadowing loop of FasterMoE's public code, written out again from its formulas.
 std::vector<int> expected_shadowed(const std::vector<int64_t>& load, const FasterMoeUnitCosts& u) {
   std::vector<int> order(load.size());
   std::iota(order.begin(), order.end(), 0);

@@ -521,7 +521,7 @@ TEST(SparseCollectives, ReduceScatterGivesEveryOwnerTheSameBitsEveryTime) {
 }
 
 TEST(SparseCollectives, EveryRankComputesTheSamePlan) {
-  // Invariant 2 of DESIGN.md: the plan is a function of the placements only.
+  // Invariant 2 of docs/architecture.md: the plan is a function of the placements only.
   const int P = world().size();
   int64_t wrong = 0;
   for (const Case& k : cases(P)) {

@@ -1,4 +1,4 @@
-// Hecate's sparse collectives (papers/hecate-fssdp.txt, section 3.1): SparseAllGather materializes
+// Hecate's sparse collectives (the Hecate paper, section 3.1): SparseAllGather materializes
 // extra replicas of some chunks (a chunk = one expert's parameters), SparseReduceScatter sums the
 // gradients of those replicas back into the owners. Only the chunks that gain (or lose) a replica
 // move, so the volume is O(lambda S) instead of the dense collectives' O(S), where S is the bytes of

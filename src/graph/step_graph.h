@@ -1,4 +1,4 @@
-// Start here for src/graph: the StepGraph, one training step as data (DESIGN.md, "a step is data").
+// Start here for src/graph: the StepGraph, one training step as data (docs/architecture.md, "a step is data").
 //
 // A StepGraph is the list of operations of one step as one rank sees it. The runtime
 // (src/runtime/executor.h) runs it on real ranks; the simulator runs the very same graph on a

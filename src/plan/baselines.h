@@ -1,5 +1,5 @@
 // The planners of the systems Hecate is compared with, over our own types (issue 5, "baselines"), as
-// papers/READING-GUIDE.md describes them from their public code: FasterMoE's dynamic shadowing,
+// Reconstructed from their papers and public code: FasterMoE's dynamic shadowing,
 // FlexMoE's replica re-planning within reserved slots, SmartMoE's expert permutation. Like every
 // planner here they are pure and deterministic (ties: lower expert id, lower rank); the caller keeps
 // whatever state persists across steps (placements, step counters, load averages).
@@ -18,7 +18,7 @@ namespace moe::plan {
 // Every MoE forward, after the gate: shadow (broadcast to every rank) the hottest experts while its
 // latency model says the busiest expert's compute and token traffic shrink by more than the broadcast
 // costs. Taken from the code: unit costs, the latency formula, the greedy stop rule, and that the
-// coldest expert is never shadowed (the loop ends one expert early). Changed, as READING-GUIDE.md
+// coldest expert is never shadowed (the loop ends one expert early). Changed, as the public code
 // says: loads are summed over source ranks (FastMoE v1 sums the wrong axis).
 
 // The model's inputs (all > 0 and finite).
@@ -53,7 +53,7 @@ LayerPlacement fastermoe_plan(const LayerPlacement& sharded, const std::vector<s
                               const FasterMoeModel& model);
 
 // ---- FlexMoE (no public code; Hecate re-implemented it from its paper) ----
-// Reconstructed (READING-GUIDE.md): each rank has E/R + reserved_slots slots per layer; expert e has
+// Reconstructed from the FlexMoE paper: each rank has E/R + reserved_slots slots per layer; expert e has
 // r_e persistent replicas, its tokens split evenly among them; a rank's load is the sum over its
 // replicas of L_e / r_e; re-plan when the balance ratio rho = max / mean rank load exceeds a threshold
 // or every K steps. Ours: the cost model and the details of the loop (flexmoe_plan).

@@ -1,4 +1,4 @@
-// Hecate's planners (papers/hecate-fssdp.txt: FSSDP §3.2, Hecate §4.2-4.3): where each expert's shard
+// Hecate's planners (the Hecate paper, "Hecate: Unlocking Efficient Sparse Model Training via Fully Sharded Sparse Data Parallelism": FSSDP §3.2, Hecate §4.2-4.3): where each expert's shard
 // lives (heterogeneous sharding, Alg. 2, re-run every few hundred steps) and which extra replicas a
 // step materializes with SparseAllGather (sparse materialization, Alg. 1, every step and layer, plus
 // the optional calibration after the gate). Token dispatch over the result is dispatch_plan

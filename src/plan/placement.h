@@ -1,11 +1,11 @@
 // Start here for src/plan: where experts live during a step, and how tokens find them. Planners
-// (pure functions of load statistics, topology and budgets: DESIGN.md "Plan") produce these values;
+// (pure functions of load statistics, topology and budgets: docs/architecture.md) produce these values;
 // graph builders and the runtime consume them. Nothing here communicates or allocates per token.
 //
 // Dimension letters: R ranks (of the expert-parallel group), E experts of one MoE layer, L MoE layers.
 // Every function in src/plan is deterministic: the same inputs give the same outputs on every rank
 // (ties are broken by the lowest index), so ranks that share their statistics agree on the plan
-// without communicating it (DESIGN.md invariant 2). Violated REQUIRES throw std::logic_error.
+// without communicating it (docs/architecture.md, invariant 2). Violated REQUIRES throw std::logic_error.
 #pragma once
 
 #include <cstdint>

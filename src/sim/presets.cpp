@@ -1,4 +1,4 @@
-// The cluster presets of cluster.h: the testbeds of the four papers (papers/READING-GUIDE.md) and an
+// The cluster presets of cluster.h: the testbeds of the four papers (Hecate, Parm, Lina, Pro-Prophet) and an
 // H100 HGX node. Every figure names its source beside it. Where a source gives only a total over both
 // directions or over several links, the comment says how the per-direction, per-link figure follows.
 // Where a testbed's description leaves the layout open (which PCIe switch a NIC sits on, how many
