@@ -1,5 +1,6 @@
-// The single-process training loop behind `moe train`: data, model, optimizer, progress line,
-// validation, metrics (JSON lines) and checkpoints with exact resume.
+// The CPU training loop behind `moe train`, on one process or on every MPI rank of a job: data, model,
+// optimizer, the strategy and its measured cost model, progress line, validation, metrics (JSON lines),
+// traces and checkpoints with exact resume.
 #pragma once
 
 #include <cstdint>
