@@ -62,27 +62,24 @@ double moe_layer_ms(const graph::StepGraph& g, const runtime::StepTimeline& tl) 
   return ms;
 }
 
-const std::map<std::string, StrategyInfo>& sim_strategies() {
+std::map<std::string, StrategyInfo> sim_strategies() {
   // The strategies of strategy/strategy.h's registry, the same objects the trainer runs: ep's graphs
   // from EpStrategy, the others' from their decisions (placement_costs.h).
-  static const std::map<std::string, StrategyInfo> registry = [] {
-    std::map<std::string, StrategyInfo> r;
-    for (const strategy::Registration& reg : strategy::registry()) {
-      const std::string name = reg.name;
-      if (!strategy::places_experts(name)) {
-        r[name] = {reg.summary, [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
-                     *out = std::make_unique<EpStrategy>(s);
-                     return Status::ok();
-                   }};
-      } else {
-        r[name] = {reg.summary, [name](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
-                     return make_placement_strategy(name, s, out);
-                   }};
-      }
+  std::map<std::string, StrategyInfo> r;
+  for (const strategy::Registration& reg : strategy::registry()) {
+    const std::string name = reg.name;
+    if (!strategy::places_experts(name)) {
+      r[name] = {reg.summary, [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
+                   *out = std::make_unique<EpStrategy>(s);
+                   return Status::ok();
+                 }};
+    } else {
+      r[name] = {reg.summary, [name](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) {
+                   return make_placement_strategy(name, s, out);
+                 }};
     }
-    return r;
-  }();
-  return registry;
+  }
+  return r;
 }
 
 double percentile(std::vector<double> v, double p) {

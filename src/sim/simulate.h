@@ -90,7 +90,7 @@ struct StrategyInfo {
   // Errors: a setup the strategy cannot run (named).
   std::function<Status(const StrategySetup&, std::unique_ptr<SimStrategy>*)> make;
 };
-const std::map<std::string, StrategyInfo>& sim_strategies();
+std::map<std::string, StrategyInfo> sim_strategies();  // as registered now (strategy::add)
 
 struct SimRunConfig {
   ClusterSpec cluster;

@@ -16,8 +16,9 @@ std::unique_ptr<Strategy> make_fastermoe(const Setup&);
 std::unique_ptr<Strategy> make_smartmoe(const Setup&);
 std::unique_ptr<Strategy> make_flexmoe(const Setup&);
 
-const std::vector<Registration>& registry() {
-  static const std::vector<Registration> r{
+namespace {
+std::vector<Registration>& mutable_registry() {
+  static std::vector<Registration> r{
       {"ep", "static expert parallelism: expert e on rank e / (E / R); tokens go to their expert's rank", make_ep},
       {"hecate", "Hecate FSSDP: sharded experts, predicted-hot ones gathered behind attention, calibrated after the gate, re-sharded every --reshard-every steps", make_hecate},
       {"fastermoe", "FasterMoE shadowing: after each gate the hottest experts are broadcast to every rank", make_fastermoe},
@@ -25,6 +26,16 @@ const std::vector<Registration>& registry() {
       {"flexmoe", "FlexMoE (reconstructed): persistent replicas of hot experts in --replica-slots slots, re-planned on imbalance", make_flexmoe},
   };
   return r;
+}
+}  // namespace
+
+const std::vector<Registration>& registry() { return mutable_registry(); }
+
+Status add(const Registration& r) {
+  if (!r.name || !*r.name || !r.make) return Status::error("strategy: a registration needs a name and a factory");
+  if (find(r.name)) return Status::error(str_cat("strategy '", r.name, "' is registered already"));
+  mutable_registry().push_back(r);
+  return Status::ok();
 }
 
 const Registration* find(const std::string& name) {

@@ -138,6 +138,10 @@ struct Registration {
   std::unique_ptr<Strategy> (*make)(const Setup&);
 };
 const std::vector<Registration>& registry();
+// Registers one more strategy (a plugin; a test's own strategy): from then on find, make, help and
+// `--strategy` know it, in the trainer and the simulator alike. name and summary must outlive its use
+// (string literals). Errors: an empty or taken name, no factory. Not thread-safe: call before runs.
+Status add(const Registration& r);
 // The registration of `name`, or null.
 const Registration* find(const std::string& name);
 // "ep, hecate, fastermoe, smartmoe, flexmoe" (registration order).
