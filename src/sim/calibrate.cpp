@@ -502,7 +502,7 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   c.name = "calibrated";
   c.nodes = 1;
   NodeSpec& n = c.node;
-  n.devices = std::max(P, 8);
+  n.devices = std::max(P, kCalibratedNodeDevices);
   n.device = d;
   n.sockets = 1;
   n.switch_socket = {0};

@@ -67,6 +67,10 @@ struct LinearFit {
   int n = 0;
 };
 
+// Devices of the fitted cluster's one node when the calibration ran fewer ranks: room to predict more
+// ranks than were measured (bench sim-fidelity predicts 4 from a 2-rank run), as an 8-device node.
+inline constexpr int kCalibratedNodeDevices = 8;
+
 struct CalibrationResult {
   ClusterSpec cluster;
   int ranks = 0;
