@@ -82,6 +82,14 @@ double gemm_rate(const ModelConfig& model, int64_t rows) {
   return flops / best;
 }
 
+// When the times do not fit a line (ranks taking turns on oversubscribed cores make small messages
+// as slow as large ones): the largest message's rate, and the smallest message's time as latency.
+strategy::LinkCost rough_link_cost(const std::vector<LinkSample>& samples) {
+  const auto [lo, hi] = std::minmax_element(samples.begin(), samples.end(),
+                                            [](const LinkSample& a, const LinkSample& b) { return a.bytes < b.bytes; });
+  return {lo->seconds, static_cast<double>(hi->bytes) / hi->seconds};
+}
+
 }  // namespace
 
 Status fit_link_cost(const std::vector<LinkSample>& samples, strategy::LinkCost* out) {
@@ -137,7 +145,8 @@ Status measure_costs(comm::Communicator* world, const plan::Nodes& nodes, const 
       if (partner >= 0) {
         std::vector<LinkSample> samples;
         if (Status s = ping_pong(*world, partner, &samples); !s) return s;
-        if (Status s = fit_link_cost(samples, same_node ? &out->intra_node : &out->inter_node); !s) return s;
+        strategy::LinkCost& link = same_node ? out->intra_node : out->inter_node;
+        if (!fit_link_cost(samples, &link)) link = rough_link_cost(samples);
       }
       if (Status s = world->barrier(); !s) return s;  // one class at a time
     }

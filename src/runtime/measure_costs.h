@@ -43,7 +43,9 @@ Status agree_costs(comm::Communicator* world, const RawCosts& mine, RawCosts* ag
 
 // Measures this rank's RawCosts: ping-pongs with a partner on its own host and one on another host
 // (ranks paired lowest-first, all pairs of a class at once, as the step's exchanges load the links
-// together), and the pinned GEMM kernel over expert_gemm_shapes(rows, C, F). Collective over world
+// together), fitted by fit_link_cost (where the times fit no line, as on oversubscribed cores: the
+// largest message's rate, the smallest one's time as latency), and the pinned GEMM kernel over
+// expert_gemm_shapes(rows, C, F). Collective over world
 // (null: the GEMM rate only). nodes: node of each world rank.
 Status measure_costs(comm::Communicator* world, const plan::Nodes& nodes, const ModelConfig& model, int64_t rows,
                      RawCosts* out);
