@@ -419,7 +419,7 @@ TEST_F(Distributed, AFailingRankStopsTheJobNamingIt) {
 }
 
 // Same run, same numbers: `moe train --ranks 2 --steps 20 --seed 1` (the default model and corpus, no
-// thread or kernel flag) three times. Rank 0 chooses the GEMM kernel from medians of interleaved
+// thread or kernel flag) three times. Rank 0 chooses the GEMM kernel from the best of interleaved
 // timings and every rank uses it, so every run prints the same kernel and the same losses and
 // gradient norms to the last bit (as the metrics file writes doubles: round-trip exact).
 TEST_F(Distributed, SameSeedSameKernelSameLossesBitForBit) {

@@ -317,6 +317,20 @@ TEST(OpsValue, GemmChoicePrefersOneDnnUnlessOpenBlasIsClearlyFaster) {
   }
 }
 
+// A disturbance that slows one backend for most rounds (seen: oneDNN at 65-70 GFLOP/s in 3 of 5
+// rounds against its 190) must not hand the job to the other kernel.
+TEST(OpsValue, GemmChoiceSurvivesADisturbedSeries) {
+  const GemmRates r = gemm_rates_from_rounds({190, 67, 65, 70, 188}, {100, 101, 102, 99, 100}, "Cooperlake");
+  EXPECT_EQ(r.onednn_gflops, 190);
+  EXPECT_EQ(r.openblas_gflops, 102);
+  EXPECT_EQ(r.rounds, 5);
+  EXPECT_EQ(pick_gemm_backend(r), "onednn");
+  // And a kernel that really is faster in every round still wins.
+  EXPECT_EQ(pick_gemm_backend(gemm_rates_from_rounds({90, 91, 92}, {130, 60, 128}, "Haswell")), "openblas");
+  EXPECT_THROW(gemm_rates_from_rounds({1, 2}, {1}, ""), std::invalid_argument);
+  EXPECT_THROW(gemm_rates_from_rounds({}, {}, ""), std::invalid_argument);
+}
+
 TEST(OpsValue, GemmMeasurementTimesBothBackends) {
   const std::vector<GemmShape> shapes{{false, true, 64, 96, 32}, {true, false, 32, 96, 64}};
   const GemmRates r = measure_gemm_backends(shapes, 3);

@@ -3,8 +3,8 @@
 // Why measure: Debian's OpenBLAS 0.3.21 does not recognise newer CPUs and silently runs an older
 // kernel (SSE3 or Haswell's, 2-5x slower than the machine allows), while oneDNN dispatches on the ISA
 // it finds. On another machine the order may flip, so both are timed, in interleaved rounds whose
-// medians are compared, and OpenBLAS is kept only when clearly faster (one timing on a busy machine
-// once picked the slower kernel for a whole run). `moe train` decides on rank 0 and pins the choice
+// best rates are compared (a median once let a long disturbance pick the slower kernel for a whole
+// run), and OpenBLAS is kept only when clearly faster. `moe train` decides on rank 0 and pins the choice
 // on every rank (runtime/trainer.cpp); other programs decide lazily on first use.
 // MOE_GEMM=onednn|openblas overrides the lazy choice (for benchmarks and tests).
 #include <cblas.h>
@@ -73,12 +73,6 @@ double time_shapes(Backend b, const std::vector<GemmShape>& shapes, std::vector<
     elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } while (elapsed < min_s);
   return elapsed / reps;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 Backend parse(const std::string& name) {
@@ -166,7 +160,15 @@ GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds
       (is_onednn ? onednn : openblas).push_back(flops / s * 1e-9);
     }
   }
-  return {median(onednn), median(openblas), rounds, openblas_get_corename()};
+  return gemm_rates_from_rounds(onednn, openblas, openblas_get_corename());
+}
+
+GemmRates gemm_rates_from_rounds(const std::vector<double>& onednn, const std::vector<double>& openblas,
+                                 const std::string& openblas_core) {
+  if (onednn.empty() || onednn.size() != openblas.size())
+    throw std::invalid_argument("gemm_rates_from_rounds: REQUIRES two series of the same non-zero length");
+  return {*std::max_element(onednn.begin(), onednn.end()), *std::max_element(openblas.begin(), openblas.end()),
+          static_cast<int>(onednn.size()), openblas_core};
 }
 
 std::string pick_gemm_backend(const GemmRates& r) {
@@ -175,7 +177,7 @@ std::string pick_gemm_backend(const GemmRates& r) {
 
 std::string describe_gemm_rates(const GemmRates& r) {
   char buf[200];
-  std::snprintf(buf, sizeof buf, "measured onednn %.1f vs openblas/%s %.1f GFLOP/s, medians of %d interleaved rounds",
+  std::snprintf(buf, sizeof buf, "measured onednn %.1f vs openblas/%s %.1f GFLOP/s, best of %d interleaved rounds",
                 r.onednn_gflops, r.openblas_core.c_str(), r.openblas_gflops, r.rounds);
   return buf;
 }

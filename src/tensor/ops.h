@@ -44,8 +44,11 @@ struct GemmShape {
   bool trans_a = false, trans_b = false;
   int64_t M = 0, N = 0, K = 0;
 };
-// Each backend's rate on a list of shapes, GFLOP/s: the median over `rounds` rounds, each round
-// timing both backends one after the other (which goes first alternates), each for >= 4 ms.
+// Each backend's rate on a list of shapes, GFLOP/s: the best of `rounds` rounds, each round timing
+// both backends one after the other (which goes first alternates), each for >= 4 ms. The best, not
+// the median: other jobs on the machine only ever slow a kernel down, and a disturbance that lasts
+// several rounds moved a median by 2x (oneDNN measured 67 GFLOP/s against its 190, so the slower
+// kernel was picked for the whole job).
 struct GemmRates {
   double onednn_gflops = 0, openblas_gflops = 0;
   int rounds = 0;
@@ -54,12 +57,16 @@ struct GemmRates {
 // Takes about rounds x 10 ms on the calling thread with the current thread counts.
 // REQUIRES: shapes non-empty with M, N, K >= 1 and rounds >= 1 (std::invalid_argument).
 GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds);
-// OpenBLAS wins only when its median beats oneDNN's by more than this share: near-ties, where noise
+// The rates from each round's GFLOP/s of each backend (what measure_gemm_backends times). Pure.
+// REQUIRES: both series of the same non-zero length (std::invalid_argument).
+GemmRates gemm_rates_from_rounds(const std::vector<double>& onednn, const std::vector<double>& openblas,
+                                 const std::string& openblas_core);
+// OpenBLAS wins only when its rate beats oneDNN's by more than this share: near-ties, where noise
 // would flip the choice from run to run, go to oneDNN, whose kernel follows the CPU's ISA.
 inline constexpr double kGemmSwitchMargin = 0.10;
 // "onednn" or "openblas" by that rule. Pure.
 std::string pick_gemm_backend(const GemmRates& rates);
-// "measured onednn 180.1 vs openblas/Haswell 88.0 GFLOP/s, medians of 7 interleaved rounds".
+// "measured onednn 180.1 vs openblas/Haswell 88.0 GFLOP/s, best of 7 interleaved rounds".
 std::string describe_gemm_rates(const GemmRates& rates);
 
 // ---- linear (no bias), PyTorch layout: weight [OC, IC] ------------------------------------
