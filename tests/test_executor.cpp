@@ -299,7 +299,9 @@ TEST(Executor, CommunicationOverlapsIndependentCompute) {
   EXPECT_GE(b.compute_ms, 49.0);
   EXPECT_GE(b.allreduce_ms, 49.0);
   EXPECT_DOUBLE_EQ(b.comm_ms, b.allreduce_ms);
-  EXPECT_GT(b.allreduce_hidden_ms, 0.0);
+  // Both sleep 50 ms from the same moment: most of the allreduce hides behind the compute (all of it
+  // but the lane thread's wake-up).
+  EXPECT_GE(b.allreduce_hidden_ms, 0.5 * b.allreduce_ms);
   EXPECT_LE(b.allreduce_hidden_ms, b.allreduce_ms);
 }
 

@@ -110,7 +110,9 @@ TEST(SimStrategies, SparseOpBytesEqualThePlansPeerBytes) {
   EXPECT_EQ(checked, R * 2 * 4);  // 4 sparse ops per MoE block
   // Non-trivial: the plans move bytes (rank 1 receives expert 0's two matrices).
   EXPECT_EQ(comm::bytes_received(ag, 1, chunk), 2 * chunk);
-  EXPECT_GT(comm::total_bytes(rs, chunk), 0);
+  // Every replica's partial crosses one tree edge: expert 0's 3 extra replicas and expert 5's 2
+  // (owner rank 2; replicas on 0 and 3), W matrices each.
+  EXPECT_EQ(comm::total_bytes(rs, chunk), (3 + 2) * W * chunk);
 
   // The executor runs them by their rounds, and rejects costs that disagree with the plans.
   std::vector<graph::StepGraph> graphs(R, step.graph);
