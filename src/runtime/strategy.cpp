@@ -1,6 +1,7 @@
 // The trainer's side of a strategy: see strategy.h.
 #include "runtime/strategy.h"
 
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 
@@ -54,6 +55,17 @@ void Strategy::set_cost_model(const strategy::CostModel& cost) {
   cost_ = cost;
   if (Status s = strategy::make(cfg_.strategy, setup(nodes_), &impl_); !s)
     throw std::logic_error("runtime::Strategy: " + s.message());
+}
+
+void Strategy::refresh_gemm_rate(double measured_flops) {
+  if (!(measured_flops > 0) || !std::isfinite(measured_flops)) return;
+  const double rate = 0.8 * cost_.gemm_flops + 0.2 * measured_flops;
+  strategy::CostModel c = strategy::make_cost_model(cfg_.model, cost_.bandwidth, rate);
+  c.overlap_bandwidth = cost_.overlap_bandwidth;
+  c.intra_node = cost_.intra_node;
+  c.inter_node = cost_.inter_node;
+  cost_ = c;
+  impl_->update_cost(cost_);
 }
 
 void Strategy::before_step() {

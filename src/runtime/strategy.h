@@ -40,6 +40,10 @@ class Strategy {
   // --gemm-gflops give). Starts the strategy afresh: REQUIRES attach() done, before the first step.
   void set_cost_model(const strategy::CostModel& cost);
   const strategy::CostModel& cost_model() const { return cost_; }
+  // Between steps: the expert GEMM rate measured in the step (the same value on every rank) folded
+  // into the cost model (an exponential average, weight 0.2 on the new rate), which the strategy
+  // then plans with. Ignored unless finite and > 0.
+  void refresh_gemm_rate(double measured_flops);
 
   // Before a step: each MoE layer's placement from the strategy.
   void before_step();

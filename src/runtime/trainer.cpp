@@ -163,7 +163,7 @@ std::vector<double> per_rank(const std::vector<double>& pairs, size_t i) {
 
 // One GEMM kernel for the whole job (the two round differently, so ranks running different kernels
 // would drift apart): --gemm when it names one; else the resumed checkpoint's; else MOE_GEMM; else
-// rank 0 times both on this run's expert shapes (tensor/ops.h: medians of interleaved rounds, oneDNN
+// rank 0 times both on this run's expert shapes (tensor/ops.h: best of interleaved rounds, oneDNN
 // on near-ties). Rank 0's decision is broadcast and pinned on every rank.
 Status choose_gemm(const TrainConfig& cfg, const json& resumed_state, Ranks& ranks) {
   std::string name, why;
@@ -596,7 +596,22 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
     per_layer_rank_tokens.push_back(per_rank);
     per_layer_rank_imbalance.push_back(imbalance(per_rank));
   }
-  // The strategy learns this step's loads, then re-shards when due (Hecate's Alg. 2, SmartMoE).
+  // The strategy learns this step's loads and times, then re-shards when due (Hecate's Alg. 2,
+  // SmartMoE). Its cost model's GEMM rate follows the expert ops: the FLOPs of the rows each rank's
+  // experts ran (forward and backward: 3 passes) over their measured time, mean over ranks.
+  {
+    const ModelConfig& m = cfg_.model;
+    const double per_row = 3.0 * 2.0 * (m.activation == "swiglu" ? 3 : 2) * static_cast<double>(m.d_model * m.d_ffn);
+    double rate = 0;
+    int n = 0;
+    for (int r = 0; r < ranks_.size; ++r) {
+      int64_t rows = 0;
+      for (size_t i = 0; i < loads.size(); ++i) rows += rows_all[r * loads.size() + i];
+      const double ms = r < static_cast<int>(f.expert_ms_per_rank.size()) ? f.expert_ms_per_rank[r] : 0;
+      if (rows > 0 && ms > 0) rate += per_row * static_cast<double>(rows) / (ms * 1e-3), ++n;
+    }
+    if (n > 0) strategy_.refresh_gemm_rate(rate / n);
+  }
   strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
   int experts_moved = 0;
   try {

@@ -13,8 +13,11 @@ class FasterMoe : public Strategy {
     model_.d_model = s.model.d_model;
     model_.ffn_ratio = static_cast<double>(s.model.d_ffn) / static_cast<double>(s.model.d_model);
     model_.bytes_per_element = sizeof(float);
-    model_.bandwidth = s.cost.bandwidth;
-    model_.gemm_flops = s.cost.gemm_flops;
+    update_cost(s.cost);
+  }
+  void update_cost(const CostModel& c) override {
+    model_.bandwidth = c.bandwidth;
+    model_.gemm_flops = c.gemm_flops;
   }
   const char* name() const override { return "fastermoe"; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_after_gate = true; }

@@ -18,9 +18,12 @@ class FlexMoe : public Strategy {
       : predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), s.options.load_window) {
     config_.reserved_slots = s.options.replica_slots >= 0 ? s.options.replica_slots : 1;
     config_.replan_interval = s.options.reshard_every > 0 ? s.options.reshard_every : 50;
-    config_.expert_seconds_per_token = s.cost.expert_seconds_per_token;
-    config_.expert_state_bytes = 3 * s.cost.expert_bytes;  // weights + Adam's two moments
-    config_.bandwidth = s.cost.bandwidth;
+    update_cost(s.cost);
+  }
+  void update_cost(const CostModel& c) override {
+    config_.expert_seconds_per_token = c.expert_seconds_per_token;
+    config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
+    config_.bandwidth = c.bandwidth;
   }
   const char* name() const override { return "flexmoe"; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_before_gate = true; }

@@ -64,6 +64,7 @@ class Hecate : public Strategy {
     for (size_t i = 0; i < owners.size(); ++i) loads.push_back(predictor_.predict(static_cast<int>(i)));
     return plan::heterogeneous_sharding(loads, t_, s_.nodes);
   }
+  void update_cost(const CostModel& c) override { s_.cost = c; }  // slots stay: a budget, not a rate
   int replica_slots() const override { return slots_; }
   int overlap_degree() const override { return t_; }
   bool gathers_behind_attention() const override { return true; }

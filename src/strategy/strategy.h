@@ -104,6 +104,9 @@ class Strategy {
   virtual void observe(const std::vector<std::vector<int64_t>>& loads, const StepTimes& times) {
     (void)loads, (void)times;
   }
+  // The cost model refreshed from the run's own measurements (the trainer, between steps; the same
+  // value on every rank). Strategies that copied figures into their planners override it.
+  virtual void update_cost(const CostModel& cost) { (void)cost; }
   // After the optimizer of step `done` (1-based): the new owner of every expert of every MoE layer,
   // given the owners now, or an empty vector when nothing is due. The caller moves the shards.
   virtual std::vector<std::vector<int>> reshard(int64_t done, const std::vector<plan::LayerPlacement>& owners) {
