@@ -137,11 +137,14 @@ TEST_F(SimCli, CalibratesOnARealRunAndTheClusterFileLoads) {
           " --out " + (dir_ / "bad.json").string());
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_FALSE(fs::exists(dir_ / "bad.json"));
-  // A calibration against the wrong model is an error naming the op it cannot place.
+  // A calibration against the wrong model is an error saying what differs.
   std::ofstream(dir_ / "other.json") << R"({"seq_len": 32, "d_model": 32, "n_layers": 3, "n_heads": 2, "d_ffn": 64, "n_experts": 4, "top_k": 2})";
   r = run(std::string(MOE_BIN) + " sim --calibrate " + dir_.string() + " --model " + (dir_ / "other.json").string() +
           " --out " + (dir_ / "x.json").string());
   EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("the run has 2 MoE layers of 4 experts, the model given (--model) 3 of 4"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "x.json"));
 }
 
 TEST(SimCalibrate, FitLineRecoversALine) {
