@@ -141,15 +141,24 @@ Calibration calibrate(const LayerPlacement& in_force, const std::vector<std::vec
   detail::require_valid(kWhere, in_force);
   const int R = in_force.n_ranks, E = in_force.n_experts();
   detail::require_counts(kWhere, counts, R, E);
-  if (!std::isfinite(model.expert_seconds_per_token) || model.expert_seconds_per_token <= 0 ||
-      !std::isfinite(model.bandwidth) || model.bandwidth <= 0 || model.expert_bytes <= 0)
-    violated(kWhere, "CalibrationModel fields must be positive and finite");
-
   std::vector<double> actual(E, 0.0);
   for (int s = 0; s < R; ++s)
     for (int e = 0; e < E; ++e) actual[e] += static_cast<double>(counts[s][e]);
-  LayerPlacement calibrated = sparse_materialize(in_force, actual, t, m, nodes);
+  return price_placement(in_force, sparse_materialize(in_force, actual, t, m, nodes), counts, nodes, model);
+}
 
+Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement& calibrated,
+                            const std::vector<std::vector<int64_t>>& counts, const Nodes& nodes,
+                            const CalibrationModel& model) {
+  constexpr const char* kWhere = "price_placement";
+  detail::require_valid(kWhere, in_force);
+  detail::require_valid(kWhere, calibrated);
+  const int R = in_force.n_ranks, E = in_force.n_experts();
+  if (calibrated.n_ranks != R || calibrated.n_experts() != E) violated(kWhere, "placements of different shapes");
+  detail::require_counts(kWhere, counts, R, E);
+  if (!std::isfinite(model.expert_seconds_per_token) || model.expert_seconds_per_token <= 0 ||
+      !std::isfinite(model.bandwidth) || model.bandwidth <= 0 || model.expert_bytes <= 0)
+    violated(kWhere, "CalibrationModel fields must be positive and finite");
   auto busiest = [&](const LayerPlacement& p) {
     const std::vector<int64_t> received = received_tokens(dispatch_plan(p, nodes, counts));
     return *std::max_element(received.begin(), received.end());
@@ -165,8 +174,20 @@ Calibration calibrate(const LayerPlacement& in_force, const std::vector<std::vec
   c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token;
   c.gather_seconds = static_cast<double>(c.gather_bytes) / model.bandwidth;
   c.gather = c.saved_seconds > c.gather_seconds;
-  c.placement = c.gather ? std::move(calibrated) : in_force;
+  c.placement = c.gather ? calibrated : in_force;
   return c;
+}
+
+std::vector<std::vector<int64_t>> even_counts(const std::vector<double>& load, int R) {
+  if (R < 1) violated("even_counts", "needs at least one rank");
+  const int E = static_cast<int>(load.size());
+  std::vector<std::vector<int64_t>> counts(R, std::vector<int64_t>(E, 0));
+  for (int e = 0; e < E; ++e) {
+    if (!std::isfinite(load[e]) || load[e] < 0) violated("even_counts", "loads must be finite and >= 0");
+    const int64_t total = std::llround(load[e]), q = total / R, r = total % R;
+    for (int s = 0; s < R; ++s) counts[s][e] = q + (s < r ? 1 : 0);
+  }
+  return counts;
 }
 
 std::vector<std::vector<int>> heterogeneous_sharding(const std::vector<std::vector<double>>& loads, int t,

@@ -98,6 +98,19 @@ struct Calibration {
 Calibration calibrate(const LayerPlacement& in_force, const std::vector<std::vector<int64_t>>& counts, int t,
                       int m, const Nodes& nodes, const CalibrationModel& model);
 
+// The same price for any candidate placement against the one in force: busiest ranks under both,
+// the busiest receiver's gather, and whether the saving beats the gather (Calibration::gather; the
+// placement returned is the candidate when it does, else in_force). REQUIRES: those of calibrate,
+// candidate.validate() ok over the same ranks and experts, candidate holds everything in_force holds.
+Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement& candidate,
+                            const std::vector<std::vector<int64_t>>& counts, const Nodes& nodes,
+                            const CalibrationModel& model);
+
+// Predicted loads as counts [R][E]: load[e] spread evenly over the R source ranks (rounded down, the
+// remainder on the lowest ranks), what price_placement needs before the gate has run. REQUIRES:
+// R >= 1, loads >= 0 and finite.
+std::vector<std::vector<int64_t>> even_counts(const std::vector<double>& load, int R);
+
 // Alg. 2, heterogeneous sharding of all MoE layers together. loads [L][E_l]: predicted load per layer
 // and expert; t: overlap degree; returns owner [L][E_l] (each expert exactly one owner).
 //   * Slots: every rank gets S = (sum over l of E_l) / R shards in total over all layers, so memory
