@@ -163,6 +163,7 @@ strategy::CostModel cost_model_from(const ModelConfig& model, const RawCosts& ra
   if (link_gbs > 0) bandwidth = link_gbs * 1e9;
   if (!(bandwidth > 0)) bandwidth = 1e9;
   strategy::CostModel c = strategy::make_cost_model(model, bandwidth, gemm_flops);
+  c.transfers_take_compute = true;  // this runtime's ranks are CPU processes
   c.intra_node = raw.intra_node;
   c.inter_node = raw.inter_node;
   return c;

@@ -62,6 +62,7 @@ void Strategy::refresh_gemm_rate(double measured_flops) {
   const double rate = 0.8 * cost_.gemm_flops + 0.2 * measured_flops;
   strategy::CostModel c = strategy::make_cost_model(cfg_.model, cost_.bandwidth, rate);
   c.overlap_bandwidth = cost_.overlap_bandwidth;
+  c.transfers_take_compute = cost_.transfers_take_compute;
   c.intra_node = cost_.intra_node;
   c.inter_node = cost_.inter_node;
   cost_ = c;

@@ -316,6 +316,7 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   const double bandwidth = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
   setup.cost = strategy::make_cost_model(s.model, bandwidth, gemm_rate);
   setup.cost.overlap_bandwidth = s.placement.link_gbs > 0 ? bandwidth : s.overlap_bandwidth > 0 ? s.overlap_bandwidth : bandwidth;
+  setup.cost.transfers_take_compute = s.cpu_ranks;
   setup.cost.intra_node = s.intra_node;
   setup.cost.inter_node = s.inter_node;
   std::unique_ptr<strategy::Strategy> impl;

@@ -138,6 +138,7 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
   setup.bandwidth = placement_bandwidth(cluster);
   setup.overlap_bandwidth = overlap_bandwidth(cluster);
   cluster_links(cluster, &setup.intra_node, &setup.inter_node);
+  setup.cpu_ranks = cfg.cluster.cpu_cores > 0;
   std::unique_ptr<SimStrategy> strategy;
   try {
     if (Status s = sim_strategies().at(cfg.strategy).make(setup, &strategy); !s) return s;

@@ -60,6 +60,7 @@ struct StrategySetup {
   double bandwidth = 0;          // bytes/s a rank receives expert weights at (placement_bandwidth)
   double overlap_bandwidth = 0;  // Hecate's Alg. 1 bw (overlap_bandwidth(cluster))
   strategy::LinkCost intra_node, inter_node;
+  bool cpu_ranks = false;  // the cluster's devices are CPU processes sharing cores (ClusterSpec::cpu_cores > 0)
 };
 
 // What a placement strategy decided in the last step (zeros for EP).

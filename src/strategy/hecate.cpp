@@ -38,16 +38,17 @@ class Hecate : public Strategy {
     opt->gather_after_gate = true;  // the calibration's second gather, when it pays
     opt->rematerialize = s_.options.rematerialize;
   }
-  // Alg. 1 on the predicted loads, kept only when it pays: the predicted saving on the busiest rank
-  // must beat the gather, priced as the calibration prices its second gather (plan::price_placement,
-  // the predicted loads spread evenly over the source ranks). A deviation from the paper, whose Alg. 1
-  // always gathers the top-t experts: behind the attention the gather costs no step time on a GPU,
-  // but on CPU ranks the transfer takes the same cores, and without skew (a trained router is ~1.3x
-  // uneven) it was measured to cost more than it saved (docs/strategies.md).
+  // Alg. 1 on the predicted loads. Where transfers take the compute's cores (CPU ranks), kept only
+  // when it pays: the predicted saving on the busiest rank must beat the gather, priced as the
+  // calibration prices its second gather (plan::price_placement, the predicted loads spread evenly
+  // over the source ranks). A deviation from the paper, whose Alg. 1 always gathers the top-t experts:
+  // behind the attention the gather costs no step time on a GPU, but on CPU ranks it takes the same
+  // cores, and without skew (a trained router is ~1.3x uneven) it was measured to cost more than it
+  // saved (docs/strategies.md).
   std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners) override {
     const std::vector<double> load = predictor_.predict(layer);
     plan::LayerPlacement p = plan::sparse_materialize(owners, load, t_, slots_, s_.nodes);
-    if (p.replicas == owners.replicas) return p;
+    if (!s_.cost.transfers_take_compute || p.replicas == owners.replicas) return p;
     const plan::CalibrationModel cm{s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes};
     return plan::price_placement(owners, p, plan::even_counts(load, owners.n_ranks), s_.nodes, cm).placement;
   }

@@ -44,6 +44,10 @@ struct CostModel {
   // nodes, else the uniform inter-device one.
   double overlap_bandwidth = 0;
   double gemm_flops = 0;                // FLOP/s of the expert GEMMs
+  // True where moving weights takes the compute's own cores (CPU ranks: the copies and the TCP stack
+  // run on them), so a transfer hidden behind the attention still costs time; false on GPUs, whose
+  // transfers run beside the kernels.
+  bool transfers_take_compute = false;
   int64_t expert_bytes = 0;             // one expert's weights (2 matrices, 3 with SwiGLU, f32)
   double expert_seconds_per_token = 0;  // one token through one expert, forward and backward
 };
