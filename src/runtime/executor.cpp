@@ -4,6 +4,7 @@
 #include "runtime/executor.h"
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -83,6 +84,40 @@ Executor::~Executor() {
   cv_.notify_all();
   for (auto& lane : lanes_)
     if (lane) lane->thread.join();
+}
+
+double moe_layer_ms(const graph::StepGraph& g, const StepTimeline& tl) {
+  std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> span;  // (layer, bwd) -> (first, last)
+  for (const graph::Op& op : g.ops) {
+    if (op.layer < 0 || op.stream != 0 /* the compute stream */) continue;
+    const OpSpan& sp = tl.spans.at(op.id);
+    if (sp.end_ns < 0) continue;
+    const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
+                     op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
+                     op.kind == graph::OpKind::combine_fwd;
+    const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
+                     op.kind == graph::OpKind::gate_bwd;
+    if (!fwd && !bwd) continue;
+    auto [it, fresh] = span.try_emplace({op.layer, bwd ? 1 : 0}, sp.start_ns, sp.end_ns);
+    if (!fresh) {
+      it->second.first = std::min(it->second.first, sp.start_ns);
+      it->second.second = std::max(it->second.second, sp.end_ns);
+    }
+  }
+  double ms = 0;
+  for (const auto& [key, fl] : span) ms += 1e-6 * static_cast<double>(fl.second - fl.first);
+  return ms;
+}
+
+double expert_ms(const graph::StepGraph& g, const StepTimeline& t) {
+  double ms = 0;
+  for (const graph::Op& op : g.ops) {
+    const OpSpan& sp = t.spans.at(op.id);
+    if (op.stream != 0 /* the compute stream */ || sp.end_ns < 0) continue;
+    if (op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::expert_bwd)
+      ms += 1e-6 * static_cast<double>(sp.end_ns - sp.start_ns);
+  }
+  return ms;
 }
 
 bool Executor::may_start(int op) const {

@@ -43,6 +43,13 @@ struct StepBreakdown {
   double allreduce_hidden_ms = 0; // part of allreduce_ms during which a compute op was running
 };
 StepBreakdown breakdown(const graph::StepGraph& g, const StepTimeline& t);
+// The MoE layers' time on the compute stream: per MoE block, first start to last end of its forward
+// ops (gate_fwd, place, dispatch_fwd, expert_fwd, combine_fwd) plus the same of its backward ops
+// (combine_bwd, expert_bwd, gate_bwd), waits inside included. What the trainer's metrics call
+// moe_ms_per_rank and the simulator predicts, from the same function. ms.
+double moe_layer_ms(const graph::StepGraph& g, const StepTimeline& t);
+// The expert GEMM ops' time on the compute stream (expert_fwd + expert_bwd), ms.
+double expert_ms(const graph::StepGraph& g, const StepTimeline& t);
 
 class Executor {
  public:

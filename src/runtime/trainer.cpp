@@ -199,31 +199,6 @@ struct StepFigures {
   std::vector<double> moe_ms_per_rank, expert_ms_per_rank;
 };
 
-// This rank's MoE time on the compute stream (gate_fwd .. combine_fwd and combine_bwd .. gate_bwd of
-// every MoE block, waits included) and its expert GEMM time (expert_fwd + expert_bwd), ms.
-void moe_times(const graph::StepGraph& g, const runtime::StepTimeline& timeline, int64_t n_layers, double* moe_ms,
-               double* expert_ms) {
-  std::vector<int64_t> first(n_layers * 2, -1), last(n_layers * 2, -1);
-  *moe_ms = *expert_ms = 0;
-  for (const graph::Op& op : g.ops) {
-    const runtime::OpSpan& sp = timeline.spans[op.id];
-    if (op.layer < 0 || sp.end_ns < 0 || op.stream != graph::kComputeStream) continue;
-    if (op.kind == graph::OpKind::expert_fwd || op.kind == graph::OpKind::expert_bwd)
-      *expert_ms += 1e-6 * static_cast<double>(sp.end_ns - sp.start_ns);
-    const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
-                     op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
-                     op.kind == graph::OpKind::combine_fwd;
-    const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
-                     op.kind == graph::OpKind::gate_bwd;
-    if (!fwd && !bwd) continue;
-    const size_t i = op.layer * 2 + (bwd ? 1 : 0);
-    first[i] = first[i] < 0 ? sp.start_ns : std::min(first[i], sp.start_ns);
-    last[i] = std::max(last[i], sp.end_ns);
-  }
-  for (size_t i = 0; i < first.size(); ++i)
-    if (first[i] >= 0) *moe_ms += 1e-6 * static_cast<double>(last[i] - first[i]);
-}
-
 // The mean duration of the step's attn_fwd ops, ms (0 when none ran).
 double mean_attention_ms(const graph::StepGraph& g, const runtime::StepTimeline& timeline) {
   double sum = 0;
@@ -489,7 +464,8 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   // Where the step's time went, averaged over ranks; the MoE times per rank.
   const runtime::StepBreakdown br = runtime::breakdown(step_graph_.graph, timeline_);
   double rank_times[2] = {0, 0};  // moe_ms, expert_ms
-  moe_times(step_graph_.graph, timeline_, cfg_.model.n_layers, &rank_times[0], &rank_times[1]);
+  rank_times[0] = runtime::moe_layer_ms(step_graph_.graph, timeline_);
+  rank_times[1] = runtime::expert_ms(step_graph_.graph, timeline_);
   std::vector<double> all_rank_times(rank_times, rank_times + 2);
   if (ranks_.world) {
     all_rank_times.assign(2 * ranks_.size, 0);
@@ -640,7 +616,7 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
                   {"strategy", cfg_.strategy},
                   {"gemm", gemm_backend_name()},
                   {"threads", ranks_.threads.threads},
-                  // per rank: MoE layers' time and expert GEMM time (moe_times)
+                  // per rank: MoE layers' time and expert GEMM time (runtime::moe_layer_ms, expert_ms)
                   {"moe_ms_per_rank", f.moe_ms_per_rank},
                   {"expert_ms_per_rank", f.expert_ms_per_rank},
                   {"replicas", replicas},

@@ -37,31 +37,6 @@ class EpStrategy : public SimStrategy {
 
 }  // namespace
 
-double moe_layer_ms(const graph::StepGraph& g, const runtime::StepTimeline& tl) {
-  // As the trainer's moe_ms_per_rank (runtime/trainer.cpp): first start to last end of each MoE
-  // block's forward and backward compute-stream ops.
-  std::map<std::pair<int, int>, std::pair<int64_t, int64_t>> span;  // (layer, bwd) -> (first, last)
-  for (const graph::Op& op : g.ops) {
-    if (op.layer < 0 || op.stream != graph::kComputeStream) continue;
-    const runtime::OpSpan& sp = tl.spans.at(op.id);
-    if (sp.end_ns < 0) continue;
-    const bool fwd = op.kind == graph::OpKind::gate_fwd || op.kind == graph::OpKind::place ||
-                     op.kind == graph::OpKind::dispatch_fwd || op.kind == graph::OpKind::expert_fwd ||
-                     op.kind == graph::OpKind::combine_fwd;
-    const bool bwd = op.kind == graph::OpKind::combine_bwd || op.kind == graph::OpKind::expert_bwd ||
-                     op.kind == graph::OpKind::gate_bwd;
-    if (!fwd && !bwd) continue;
-    auto [it, fresh] = span.try_emplace({op.layer, bwd ? 1 : 0}, sp.start_ns, sp.end_ns);
-    if (!fresh) {
-      it->second.first = std::min(it->second.first, sp.start_ns);
-      it->second.second = std::max(it->second.second, sp.end_ns);
-    }
-  }
-  double ms = 0;
-  for (const auto& [key, fl] : span) ms += 1e-6 * static_cast<double>(fl.second - fl.first);
-  return ms;
-}
-
 std::map<std::string, StrategyInfo> sim_strategies() {
   // The strategies of strategy/strategy.h's registry, the same objects the trainer runs: ep's graphs
   // from EpStrategy, the others' from their decisions (placement_costs.h).
@@ -205,7 +180,7 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
       sum.tokens_per_rank.push_back(std::move(per_rank_rows));
     }
     for (int r = 0; r < R; ++r) {
-      sum.moe_ms_per_rank.push_back(moe_layer_ms(graphs[r], step.timelines[r]));
+      sum.moe_ms_per_rank.push_back(runtime::moe_layer_ms(graphs[r], step.timelines[r]));
       sum.moe_ms += sum.moe_ms_per_rank.back() / R;
       sum.moe_ms_max = std::max(sum.moe_ms_max, sum.moe_ms_per_rank.back());
       for (const graph::Op& op : graphs[r].ops)

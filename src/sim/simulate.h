@@ -143,9 +143,6 @@ struct SimRunResult {
 Status resolve(SimRunConfig* cfg);  // fills ranks and ep_size defaults
 Status simulate(SimRunConfig cfg, SimRunResult* out);
 
-// The MoE layers' time of one rank's step as the trainer measures it (SimStepSummary::moe_ms_per_rank).
-double moe_layer_ms(const graph::StepGraph& g, const runtime::StepTimeline& timeline);
-
 // Sorted copy's p-th percentile (nearest rank, p in [0, 100]). REQUIRES: v not empty.
 double percentile(std::vector<double> v, double p);
 
