@@ -219,6 +219,8 @@ json cost_model_json(const strategy::CostModel& c) {
           {"gemm_gflops", c.gemm_flops / 1e9}};
 }
 
+struct StepLoads;
+
 // One training run on this rank, phase by phase (train() below calls them in order). Every phase
 // that communicates is collective: every rank calls it, in the same order.
 class TrainingRun {
@@ -239,6 +241,10 @@ class TrainingRun {
   void finish();             // the last line
 
  private:
+  Status gather_loads(StepLoads* out);
+  void refresh_costs(const StepFigures& f, const StepLoads& l);
+  void write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved);
+  void print_progress(int64_t done, const StepFigures& f, const StepLoads& l);
   Status save(int64_t step);
   Status write_trace();
   void say(const char* fmt, auto... args) {
@@ -513,17 +519,24 @@ Status TrainingRun::trace_step(int64_t step) {
   return Status::ok();
 }
 
-Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
-  window_loss_ += f.loss;
-  window_seconds_ += f.seconds;
-  window_exposed_ms_ += f.exposed_comm_ms;
-  ++window_steps_;
-  const int64_t done = step + 1;
-  // Global load: kept assignments per expert summed over ranks; rows each rank's experts ran.
-  std::vector<LayerLoad> loads = model_->load_stats();
+// The step's loads and what the strategy moved, over all ranks.
+struct StepLoads {
+  std::vector<LayerLoad> loads;  // per MoE layer: kept assignments per expert and drops, summed over ranks
+  std::vector<int64_t> rows;     // [rank * layers + layer]: rows each rank's experts ran
+  int64_t replicas = 0;          // extra replicas over all MoE layers (the same plan on every rank)
+  int64_t sparse_bytes = 0;      // sparse collectives: sent + received, summed over ranks
+  int64_t param_bytes = 0;       // the largest rank's parameters
+  int64_t replicas_peak = 0;     // the largest rank's peak of materialized replicas (weights + grads)
+  int64_t rows_of(int rank, size_t layer) const { return rows[rank * loads.size() + layer]; }
+};
+
+Status TrainingRun::gather_loads(StepLoads* out) {
+  out->loads = model_->load_stats();
+  std::vector<LayerLoad>& loads = out->loads;
   const int64_t E = cfg_.model.n_experts;
   std::vector<int64_t> load_buf(loads.size() * (E + 1), 0);
-  std::vector<int64_t> rows_mine(loads.size()), rows_all(loads.size() * ranks_.size);
+  std::vector<int64_t> rows_mine(loads.size());
+  out->rows.assign(loads.size() * ranks_.size, 0);
   for (size_t i = 0; i < loads.size(); ++i) {
     std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), load_buf.begin() + i * (E + 1));
     load_buf[i * (E + 1) + E] = loads[i].dropped;
@@ -531,69 +544,65 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
   }
   if (Status s = ranks_.sum(load_buf.data(), static_cast<int64_t>(load_buf.size())); !s) return s;
   if (ranks_.world) {
-    if (Status s = ranks_.world->allgather(rows_mine.data(), static_cast<int64_t>(rows_mine.size()), rows_all.data());
+    if (Status s = ranks_.world->allgather(rows_mine.data(), static_cast<int64_t>(rows_mine.size()), out->rows.data());
         !s)
       return s;
   } else {
-    rows_all = rows_mine;
+    out->rows = rows_mine;
   }
-  // What the strategy moved and held: extra replicas (the same plan on every rank), sparse-collective
-  // bytes (sent + received, summed over ranks) and per-rank memory (the largest rank's).
-  int64_t replicas = 0, sparse_bytes = 0;
   for (const LayerLoad& ll : loads) {
     MoeLayer* moe = model_->moe_layer(ll.layer);
     if (!moe->placements_enabled()) continue;
-    for (const std::vector<int>& r : moe->placement().replicas) replicas += static_cast<int64_t>(r.size()) - 1;
-    sparse_bytes += moe->take_sparse_bytes();
+    for (const std::vector<int>& r : moe->placement().replicas) out->replicas += static_cast<int64_t>(r.size()) - 1;
+    out->sparse_bytes += moe->take_sparse_bytes();
   }
-  int64_t param_bytes = 0;
-  for (const Param* p : opt_->params()) param_bytes += static_cast<int64_t>(p->value.numel() * sizeof(float));
-  std::vector<int64_t> memory{param_bytes, model_->replica_memory().peak()};
+  for (const Param* p : opt_->params()) out->param_bytes += static_cast<int64_t>(p->value.numel() * sizeof(float));
+  out->replicas_peak = model_->replica_memory().peak();
   model_->replica_memory().reset_peak();
   if (ranks_.world) {
+    int64_t memory[2] = {out->param_bytes, out->replicas_peak};
     std::vector<int64_t> all(2 * ranks_.size);
-    if (Status s = ranks_.world->allgather(memory.data(), 2, all.data()); !s) return s;
+    if (Status s = ranks_.world->allgather(memory, 2, all.data()); !s) return s;
     for (int r = 0; r < ranks_.size; ++r)
       for (int i = 0; i < 2; ++i) memory[i] = std::max(memory[i], all[2 * r + i]);
-    if (Status s = ranks_.sum(&sparse_bytes, 1); !s) return s;
+    out->param_bytes = memory[0], out->replicas_peak = memory[1];
+    if (Status s = ranks_.sum(&out->sparse_bytes, 1); !s) return s;
   }
-  std::vector<std::vector<int64_t>> global_loads;
-  json per_layer_tokens = json::array(), per_layer_imbalance = json::array(), per_layer_dropped = json::array();
-  json per_layer_rank_tokens = json::array(), per_layer_rank_imbalance = json::array();
   for (size_t i = 0; i < loads.size(); ++i) {
     loads[i].tokens_per_expert.assign(load_buf.begin() + i * (E + 1), load_buf.begin() + i * (E + 1) + E);
     loads[i].dropped = load_buf[i * (E + 1) + E];
-    per_layer_tokens.push_back(loads[i].tokens_per_expert);
-    global_loads.push_back(loads[i].tokens_per_expert);
-    per_layer_imbalance.push_back(imbalance(loads[i].tokens_per_expert));
-    per_layer_dropped.push_back(loads[i].dropped);
+  }
+  return Status::ok();
+}
+
+// The cost model's GEMM rate follows the expert ops: the FLOPs of the rows each rank's experts ran
+// (forward and backward: 3 passes) over their measured time, mean over ranks (the same inputs, hence
+// the same value, on every rank).
+void TrainingRun::refresh_costs(const StepFigures& f, const StepLoads& l) {
+  const ModelConfig& m = cfg_.model;
+  const double per_row = 3.0 * 2.0 * (m.activation == "swiglu" ? 3 : 2) * static_cast<double>(m.d_model * m.d_ffn);
+  double rate = 0;
+  int n = 0;
+  for (int r = 0; r < ranks_.size; ++r) {
+    int64_t rows = 0;
+    for (size_t i = 0; i < l.loads.size(); ++i) rows += l.rows_of(r, i);
+    const double ms = r < static_cast<int>(f.expert_ms_per_rank.size()) ? f.expert_ms_per_rank[r] : 0;
+    if (rows > 0 && ms > 0) rate += per_row * static_cast<double>(rows) / (ms * 1e-3), ++n;
+  }
+  if (n > 0) strategy_.refresh_gemm_rate(rate / n);
+}
+
+void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved) {
+  json tokens = json::array(), imbalances = json::array(), dropped = json::array();
+  json rank_tokens = json::array(), rank_imbalances = json::array();
+  for (size_t i = 0; i < l.loads.size(); ++i) {
+    tokens.push_back(l.loads[i].tokens_per_expert);
+    imbalances.push_back(imbalance(l.loads[i].tokens_per_expert));
+    dropped.push_back(l.loads[i].dropped);
     std::vector<int64_t> per_rank(ranks_.size);
-    for (int r = 0; r < ranks_.size; ++r) per_rank[r] = rows_all[r * loads.size() + i];
-    per_layer_rank_tokens.push_back(per_rank);
-    per_layer_rank_imbalance.push_back(imbalance(per_rank));
-  }
-  // The strategy learns this step's loads and times, then re-shards when due (Hecate's Alg. 2,
-  // SmartMoE). Its cost model's GEMM rate follows the expert ops: the FLOPs of the rows each rank's
-  // experts ran (forward and backward: 3 passes) over their measured time, mean over ranks.
-  {
-    const ModelConfig& m = cfg_.model;
-    const double per_row = 3.0 * 2.0 * (m.activation == "swiglu" ? 3 : 2) * static_cast<double>(m.d_model * m.d_ffn);
-    double rate = 0;
-    int n = 0;
-    for (int r = 0; r < ranks_.size; ++r) {
-      int64_t rows = 0;
-      for (size_t i = 0; i < loads.size(); ++i) rows += rows_all[r * loads.size() + i];
-      const double ms = r < static_cast<int>(f.expert_ms_per_rank.size()) ? f.expert_ms_per_rank[r] : 0;
-      if (rows > 0 && ms > 0) rate += per_row * static_cast<double>(rows) / (ms * 1e-3), ++n;
-    }
-    if (n > 0) strategy_.refresh_gemm_rate(rate / n);
-  }
-  strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
-  int experts_moved = 0;
-  try {
-    experts_moved = strategy_.reshard(*opt_, done);
-  } catch (const std::runtime_error& e) {
-    return Status::error(std::string("re-sharding: ") + e.what());
+    for (int r = 0; r < ranks_.size; ++r) per_rank[r] = l.rows_of(r, i);
+    rank_tokens.push_back(per_rank);
+    rank_imbalances.push_back(imbalance(per_rank));
   }
   metrics_.write({{"step", done},
                   {"loss", f.loss},
@@ -608,51 +617,79 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
                   {"comm_ms", f.comm_ms},
                   {"allreduce_ms", f.allreduce_ms},
                   {"allreduce_hidden_ms", f.allreduce_hidden_ms},
-                  {"load_imbalance", per_layer_imbalance},
-                  {"tokens_per_rank", per_layer_rank_tokens},
-                  {"rank_imbalance", per_layer_rank_imbalance},
-                  {"dropped", per_layer_dropped},
-                  {"tokens_per_expert", per_layer_tokens},
+                  {"load_imbalance", imbalances},
+                  {"tokens_per_rank", rank_tokens},
+                  {"rank_imbalance", rank_imbalances},
+                  {"dropped", dropped},
+                  {"tokens_per_expert", tokens},
                   {"strategy", cfg_.strategy},
                   {"gemm", gemm_backend_name()},
                   {"threads", ranks_.threads.threads},
                   // per rank: MoE layers' time and expert GEMM time (runtime::moe_layer_ms, expert_ms)
                   {"moe_ms_per_rank", f.moe_ms_per_rank},
                   {"expert_ms_per_rank", f.expert_ms_per_rank},
-                  {"replicas", replicas},
+                  {"replicas", l.replicas},
                   {"overlap_degree", overlap_used_},
                   {"cost_model", cost_model_json(strategy_.cost_model())},
                   {"calibrations", strategy_.take_calibrations()},
                   {"experts_moved", experts_moved},
-                  {"sparse_bytes", sparse_bytes},
+                  {"sparse_bytes", l.sparse_bytes},
                   // Per rank (the largest): parameters held, their gradients (the same size) and
                   // AdamW's two moments, plus the peak of materialized replicas (weights + grads).
                   {"memory_bytes",
-                   {{"params", memory[0]},
-                    {"grads", memory[0]},
-                    {"optimizer", 2 * memory[0]},
-                    {"replicas_peak", memory[1]}}}});
+                   {{"params", l.param_bytes},
+                    {"grads", l.param_bytes},
+                    {"optimizer", 2 * l.param_bytes},
+                    {"replicas_peak", l.replicas_peak}}}});
+}
 
-  if (done % cfg_.log_every == 0 || done == end_) {
-    // aux per MoE layer: 1.0 is a perfectly balanced router, whatever the layer count.
-    std::string rank_load;
-    if (ranks_.world) {
-      // The slowest rank sets the pace: its expert rows over the mean, worst layer; and the share of
-      // the step the compute stream waited on communication.
-      double worst = 1;
-      for (const auto& r : per_layer_rank_imbalance) worst = std::max(worst, r.get<double>());
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "  ranks max/mean %.2f  comm %2.0f%%", worst,
-                    100.0 * window_exposed_ms_ / (1e3 * window_seconds_));
-      rank_load = buf;
+// Every log_every steps and at the end: the window's mean loss and throughput, aux per MoE layer (1.0
+// is a balanced router whatever the layer count), per-layer load; with ranks, the slowest rank's
+// expert rows over the mean (worst layer) and the share of the window the compute stream waited.
+void TrainingRun::print_progress(int64_t done, const StepFigures& f, const StepLoads& l) {
+  if (done % cfg_.log_every != 0 && done != end_) return;
+  std::string rank_load;
+  if (ranks_.world) {
+    double worst = 1;
+    for (size_t i = 0; i < l.loads.size(); ++i) {
+      std::vector<int64_t> per_rank(ranks_.size);
+      for (int r = 0; r < ranks_.size; ++r) per_rank[r] = l.rows_of(r, i);
+      worst = std::max(worst, imbalance(per_rank));
     }
-    say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
-        (long long)done, (long long)cfg_.steps, window_loss_ / window_steps_,
-        model_->aux_loss() / std::max<size_t>(1, loads.size()), f.lr, f.grad_norm,
-        window_steps_ * B_ * T_ / window_seconds_, load_imbalance_line(loads).c_str(), rank_load.c_str());
-    window_loss_ = window_seconds_ = window_exposed_ms_ = 0;
-    window_steps_ = 0;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  ranks max/mean %.2f  comm %2.0f%%", worst,
+                  100.0 * window_exposed_ms_ / (1e3 * window_seconds_));
+    rank_load = buf;
   }
+  say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
+      (long long)done, (long long)cfg_.steps, window_loss_ / window_steps_,
+      model_->aux_loss() / std::max<size_t>(1, l.loads.size()), f.lr, f.grad_norm,
+      window_steps_ * B_ * T_ / window_seconds_, load_imbalance_line(l.loads).c_str(), rank_load.c_str());
+  window_loss_ = window_seconds_ = window_exposed_ms_ = 0;
+  window_steps_ = 0;
+}
+
+// After the optimizer: the step's loads, the strategy's learning and re-sharding, metrics, progress.
+Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
+  window_loss_ += f.loss;
+  window_seconds_ += f.seconds;
+  window_exposed_ms_ += f.exposed_comm_ms;
+  ++window_steps_;
+  const int64_t done = step + 1;
+  StepLoads l;
+  if (Status s = gather_loads(&l); !s) return s;
+  refresh_costs(f, l);
+  std::vector<std::vector<int64_t>> global_loads;
+  for (const LayerLoad& ll : l.loads) global_loads.push_back(ll.tokens_per_expert);
+  strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
+  int experts_moved = 0;
+  try {
+    experts_moved = strategy_.reshard(*opt_, done);  // when due (Hecate's Alg. 2, SmartMoE, FlexMoE)
+  } catch (const std::runtime_error& e) {
+    return Status::error(std::string("re-sharding: ") + e.what());
+  }
+  write_metrics(done, f, l, experts_moved);
+  print_progress(done, f, l);
   return Status::ok();
 }
 
