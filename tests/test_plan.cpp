@@ -433,6 +433,40 @@ TEST(Hecate, CalibrationGathersOnlyWhenItPays) {
   EXPECT_THROW(calibrate(in_force, counts, 1, 1, nodes, CalibrationModel{0, 1e5, 1000}), std::logic_error);
 }
 
+// Before the gate Hecate prices Alg. 1's plan with the calibration's price, the predicted loads spread
+// evenly over the source ranks.
+TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {
+  EXPECT_EQ(even_counts({7.0, 0.0, 4.0}, 2), (Counts{{4, 0, 2}, {3, 0, 2}}));
+  EXPECT_THROW(even_counts({1.0}, 0), std::logic_error);
+  EXPECT_THROW(even_counts({-1.0}, 2), std::logic_error);
+
+  const LayerPlacement owners = even_placement(4, 4);
+  const Nodes nodes = uniform_nodes(4, 4);
+  LayerPlacement hot_everywhere = owners;
+  hot_everywhere.replicas[0] = {0, 1, 2, 3};
+  // Skewed: expert 0 takes 400 of 460 tokens; rank 0 computes 400, with copies everywhere 100 + 20.
+  const Counts skewed = even_counts({400, 20, 20, 20}, 4);
+  Calibration c = price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 1e5, 1000});
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.busiest_before, 400);
+  EXPECT_EQ(c.busiest_after, 120);
+  EXPECT_EQ(c.gather_bytes, 1000);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1, 2, 3}));
+  // Balanced: the copies only make it worse (each rank keeps its own 25 tokens of expert 0 on top of
+  // the 100 its own expert receives), so the gather never pays however fast the link.
+  const Counts balanced = even_counts({100, 100, 100, 100}, 4);
+  c = price_placement(owners, hot_everywhere, balanced, nodes, CalibrationModel{1e-3, 1e12, 1000});
+  EXPECT_FALSE(c.gather);
+  EXPECT_EQ(c.busiest_before, 100);
+  EXPECT_EQ(c.busiest_after, 125);
+  expect_same(c.placement, owners);
+  // A slow link: the skewed saving (0.28 s) loses to the gather (1 s).
+  c = price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 1e3, 1000});
+  EXPECT_FALSE(c.gather);
+  EXPECT_THROW(price_placement(owners, even_placement(8, 4), skewed, nodes, CalibrationModel{1e-3, 1e5, 1000}),
+               std::logic_error);
+}
+
 // ---------------------------------------------------------------- Hecate: Alg. 2
 
 TEST(Hecate, Alg2PlacesUnderloadedExpertsOnLeastLoadedNodesFirst) {
