@@ -88,7 +88,7 @@ TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {
       {"sim --cluster p4d.24xlarge --ep-size 3", "ep-size (3) must divide"},
       {"sim --cluster p4d.24xlarge --load zipf:abc", "Zipf exponent"},
       {"sim --cluster p4d.24xlarge --load /nonexistent.jsonl", "cannot read /nonexistent.jsonl"},
-      {"sim --cluster p4d.24xlarge --strategy lina", "strategy \"lina\" is not known (known: ep, fastermoe, flexmoe, hecate, smartmoe)"},
+      {"sim --cluster p4d.24xlarge --strategy lina", "strategy \"lina\" is not known (known: deepspeed, ep, fastermoe, flexmoe, hecate, smartmoe)"},
       {"sim --cluster p4d.24xlarge --steps 0", "steps (0) must be >= 1"},
       {"sim --cluster p4d.24xlarge --model /nonexistent.json", "model config /nonexistent.json"},
       {"sim --calibrate /nonexistent", "--calibrate needs --out"},

@@ -166,6 +166,19 @@ TEST(SimLoad, FillEpCostsUsesTheRuntimesFormulas) {
       default: break;
     }
   }
+  // DeepSpeed's padded exchange: every (rank, expert) pair moves the largest count, 10 slots; each
+  // rank sends 2 experts x 10 to each rank and its 2 experts compute 2 ranks x 2 x 10 rows.
+  opt.padded_exchange = true;
+  g = graph::build_ep_step(cfg, opt).graph;
+  fill_ep_costs(cfg, opt, load, 1, &g);
+  for (const graph::Op& op : g.ops) {
+    if (op.kind == graph::OpKind::dispatch_a2a || op.kind == graph::OpKind::combine_a2a) {
+      EXPECT_EQ(op.cost.peer_bytes, (std::vector<int64_t>{20 * row, 20 * row})) << g.op_name(op);
+    }
+    if (op.kind == graph::OpKind::expert_fwd) {
+      EXPECT_DOUBLE_EQ(op.cost.flops, 1.0 * 2 * 2 * 40 * 16 * 32);
+    }
+  }
 }
 
 // A real `moe train --ranks 2` run: the sizes the sim fills from the run's recorded load against the

@@ -42,13 +42,14 @@ TEST(StrategyRegistry, ListsEveryStrategyOnceAndRefusesOthers) {
     EXPECT_EQ(make(r.name, setup(4))->name(), std::string(r.name));
     EXPECT_NE(strategy::help().find(r.name), std::string::npos);
   }
-  EXPECT_EQ(names, (std::vector<std::string>{"ep", "hecate", "fastermoe", "smartmoe", "flexmoe"}));
-  EXPECT_EQ(strategy::names(), "ep, hecate, fastermoe, smartmoe, flexmoe");
+  EXPECT_EQ(names, (std::vector<std::string>{"ep", "hecate", "fastermoe", "smartmoe", "flexmoe", "deepspeed"}));
+  EXPECT_EQ(strategy::names(), "ep, hecate, fastermoe, smartmoe, flexmoe, deepspeed");
   std::unique_ptr<strategy::Strategy> none;
   moe::Status st = strategy::make("deepspeed-typo", setup(4), &none);
   EXPECT_FALSE(st);
   EXPECT_NE(st.message().find("'deepspeed-typo' is not one of ep, hecate"), std::string::npos) << st.message();
   EXPECT_FALSE(strategy::places_experts("ep"));
+  EXPECT_FALSE(strategy::places_experts("deepspeed"));
   EXPECT_FALSE(strategy::places_experts("nope"));
   EXPECT_TRUE(strategy::places_experts("smartmoe"));
 }
@@ -56,11 +57,11 @@ TEST(StrategyRegistry, ListsEveryStrategyOnceAndRefusesOthers) {
 TEST(StrategyShape, EachAsksTheGraphForItsOwnExchanges) {
   struct Want {
     const char* name;
-    bool before, after, remat;
+    bool before, after, remat, padded = false;
   };
   for (const Want& w : {Want{"ep", false, false, false}, Want{"hecate", true, true, true},
                         Want{"fastermoe", false, true, false}, Want{"smartmoe", false, false, false},
-                        Want{"flexmoe", true, false, false}}) {
+                        Want{"flexmoe", true, false, false}, Want{"deepspeed", false, false, false, true}}) {
     strategy::Setup s = setup(4);
     s.options.rematerialize = true;
     moe::graph::EpStepOptions opt;
@@ -69,6 +70,7 @@ TEST(StrategyShape, EachAsksTheGraphForItsOwnExchanges) {
     EXPECT_EQ(opt.gather_before_gate, w.before) << w.name;
     EXPECT_EQ(opt.gather_after_gate, w.after) << w.name;
     EXPECT_EQ(opt.rematerialize, w.remat) << w.name;
+    EXPECT_EQ(opt.padded_exchange, w.padded) << w.name;
   }
 }
 

@@ -49,6 +49,10 @@ struct EpStepOptions {
   bool gather_before_gate = false;  // materialize(l): the replicas planned before the step (Hecate)
   bool gather_after_gate = false;   // place(l) after gate_sync(l), then materialize_placed(l)
   bool rematerialize = false;       // replicas freed after expert_fwd(l), gathered again for expert_bwd(l)
+  // DeepSpeed-MoE's exchange (MoeLayer::set_padded_exchange): every rank sends each expert the same
+  // number of slots, its kept rows then zero padding, and the experts compute over every slot. Same
+  // graph; the exchanges' and experts' sizes change.
+  bool padded_exchange = false;
 };
 
 bool gathers_replicas(const EpStepOptions& opt);  // any of the placement options set

@@ -260,7 +260,62 @@ void MoeLayer::ep_dispatch() {
   layout_build(routing_, expert_capacity(cfg_.capacity_factor, Ng, K, E), layout_scratch_.data(), prior_.data());
   dispatch_forward(xp_.data(), x_, routing_, C);
   plan_exchange();
-  if (!send_in_place_) gather_rows(xs_.data(), xp_.data(), send_perm_.data(), routing_.rows(), C);
+  if (!send_in_place_) to_send_order(xs_.data(), xp_.data());
+}
+
+void MoeLayer::set_padded_exchange(bool on) {
+  if (on && (!ep_ || gather_))
+    throw std::logic_error("MoeLayer::set_padded_exchange: REQUIRES expert parallel without placements");
+  padded_ = on;
+}
+
+void MoeLayer::to_send_order(float* dst, const float* src) {
+  const int64_t C = cfg_.d_model, n = routing_.rows();
+  if (!padded_) return gather_rows(dst, src, send_perm_.data(), n, C);
+  std::fill(dst, dst + send_rows_ * C, 0.0f);
+  for (int64_t i = 0; i < n; ++i) std::copy(src + i * C, src + (i + 1) * C, dst + inv_send_perm_[i] * C);
+}
+
+void MoeLayer::grow_exchange_buffers(int64_t received_rows, int64_t sent_rows) {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
+  if (static_cast<int64_t>(xr_.numel()) < received_rows * C) {
+    for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({received_rows, C});
+    for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({received_rows, F});
+    if (cfg_.activation == Activation::swiglu)
+      for (Tensor* t : {&h3_, &dh3_}) t->resize({received_rows, F});
+  }
+  if (static_cast<int64_t>(xs_.numel()) < sent_rows * C) xs_.resize({sent_rows, C});
+}
+
+// Every rank sends each expert of the ep group slots_ rows (its kept rows first, then zeros), experts
+// of one destination ascending; each rank receives slots_ rows per held expert from every source.
+void MoeLayer::plan_padded_exchange(const std::vector<std::vector<int64_t>>& kept) {
+  const int64_t C = cfg_.d_model, P = ep_->size();
+  slots_ = 0;
+  for (const std::vector<int64_t>& row : kept)
+    for (int64_t k : row) slots_ = std::max(slots_, k);
+  const int64_t n = routing_.rows();
+  inv_send_perm_.resize(n);
+  int64_t pos = 0;
+  for (int64_t d = 0; d < P; ++d) {
+    const int64_t first = pos;
+    for (int e : owners_.experts_owned_by(static_cast<int>(d))) {
+      for (int64_t j = 0; j < kept[ep_->rank()][e]; ++j)
+        inv_send_perm_[routing_.expert_offset[e] + j] = static_cast<int32_t>(pos + j);
+      pos += slots_;
+    }
+    send_counts_[d] = (pos - first) * C;
+    send_displs_[d] = first * C;
+  }
+  send_rows_ = pos;
+  send_in_place_ = false;
+  const int64_t per_source = static_cast<int64_t>(owned_.size()) * slots_;
+  for (int64_t s = 0; s < P; ++s) {
+    recv_counts_[s] = per_source * C;
+    recv_displs_[s] = s * per_source * C;
+  }
+  expert_rows_ = P * per_source;
+  grow_exchange_buffers(expert_rows_, send_rows_);
 }
 
 void MoeLayer::plan_exchange() {
@@ -273,6 +328,7 @@ void MoeLayer::plan_exchange() {
     if (kept[me][e] != routing_.tokens_per_expert[e])
       throw std::logic_error(str_cat("MoeLayer: rank ", me, " keeps ", routing_.tokens_per_expert[e],
                                      " rows of expert ", e, ", the synced counts say ", kept[me][e]));
+  if (padded_) return plan_padded_exchange(kept);
   rows_ = plan::dispatch_plan(placement_, nodes_, kept);
   // My rows destination-major: experts ascending within a destination, expert e's rows split over its
   // destinations in ascending rank order.
@@ -280,6 +336,7 @@ void MoeLayer::plan_exchange() {
   send_perm_.resize(n);
   inv_send_perm_.resize(n);
   send_in_place_ = true;
+  send_rows_ = n;
   int64_t i = 0;
   for (int64_t d = 0; d < P; ++d) {
     const int64_t first = i;
@@ -296,7 +353,7 @@ void MoeLayer::plan_exchange() {
     send_displs_[d] = first * C;
   }
   if (i != n) throw std::logic_error("MoeLayer: the dispatch plan does not cover this rank's rows");
-  if (!send_in_place_ && xs_.numel() == 0) xs_.resize({max_tokens_ * cfg_.top_k, C});
+  if (!send_in_place_) grow_exchange_buffers(0, n);
   int64_t recv_rows = 0;
   for (int64_t s = 0; s < P; ++s) {
     int64_t from_s = 0;
@@ -328,6 +385,14 @@ void MoeLayer::order_received_rows() {
     local_offset_[h] = i;
     for (int64_t s = 0; s < P; ++s) {
       int64_t src = recv_displs_[s] / C;
+      if (padded_) {  // slots_ rows per held expert from each source, padding included
+        src += h * slots_;
+        for (int64_t j = 0; j < slots_; ++j, ++i) {
+          perm_[i] = static_cast<int32_t>(src + j);
+          inv_perm_[src + j] = static_cast<int32_t>(i);
+        }
+        continue;
+      }
       for (int e2 = 0; e2 < e; ++e2) src += rows_[s][e2][me];
       for (int64_t j = 0; j < rows_[s][e][me]; ++j, ++i) {
         perm_[i] = static_cast<int32_t>(src + j);
@@ -370,7 +435,7 @@ void MoeLayer::ep_combine_bwd(const float* dy) {
   if (!x_) throw std::logic_error("MoeLayer::ep_combine_bwd: REQUIRES forward first");
   const int64_t C = cfg_.d_model;
   combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, C);
-  if (!send_in_place_) gather_rows(xs_.data(), dout_p_.data(), send_perm_.data(), routing_.rows(), C);
+  if (!send_in_place_) to_send_order(xs_.data(), dout_p_.data());
 }
 
 void MoeLayer::ep_combine_a2a_bwd() {

@@ -137,6 +137,13 @@ class MoeLayer {
   void ep_experts_bwd();
   void ep_dispatch_a2a_bwd();
   void ep_gate_bwd(float* dx /*[N,C]*/);              // dx += token-row and router gradients
+  // DeepSpeed-MoE's fixed-size exchange: every rank sends every expert S slots, S = the most rows any
+  // rank of the ep group keeps for any expert this step (what DeepSpeed's dropless mode agrees on with
+  // an allreduce-max; here every rank knows it from the synced counts), its kept rows first and zeros
+  // after; each expert computes over all P * S slots it receives (the padding's GEMM cost included),
+  // and only the real rows go back to their tokens. Dropping follows the global rule above, so the
+  // mathematics is EP's. REQUIRES: expert_parallel(), no placements enabled, before the first step.
+  void set_padded_exchange(bool on);
   // Bytes this rank sends in the last dispatch (to_experts) or combine exchange, in total and per
   // ep group rank. Valid after ep_dispatch (to_experts) / ep_dispatch_a2a (combine).
   int64_t ep_bytes_out(bool to_experts) const;
@@ -241,10 +248,16 @@ class MoeLayer {
   // and dxp_ directly, else they go through xs_ [NK,C] (allocated at the first such step) and the
   // compute phases permute: destination-major row i <- expert-major row send_perm_[i].
   void plan_exchange();        // rows_, send/recv counts and displacements, send_perm_
+  void plan_padded_exchange(const std::vector<std::vector<int64_t>>& kept);  // the same, padded
   void order_received_rows();  // perm_, local_offset_, held_order_ for this step's held experts
+  void to_send_order(float* dst /*[send rows, C]*/, const float* src /*[rows, C] expert-major*/);
+  void grow_exchange_buffers(int64_t received_rows, int64_t sent_rows);
   std::vector<std::vector<std::vector<int64_t>>> rows_;  // [P][E][P]
-  std::vector<int32_t> send_perm_, inv_send_perm_;
+  std::vector<int32_t> send_perm_, inv_send_perm_;  // inv_send_perm_[i]: send-order row of row i
   bool send_in_place_ = true;
+  bool padded_ = false;        // set_padded_exchange
+  int64_t slots_ = 0;          // padded: slots per (rank, expert) this step
+  int64_t send_rows_ = 0;      // rows of the send order this step (padded: held experts x slots)
   Tensor xs_;
 
   // ---- placements (see enable_placements); implemented in moe_layer_replicas.cpp ----

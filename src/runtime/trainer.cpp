@@ -319,6 +319,9 @@ Status TrainingRun::set_up() {
   gopt_.batch = Bl_;
   gopt_.allreduce_micro_bytes = cfg_.allreduce_micro_kb * 1024;
   strategy_.configure(&gopt_);
+  if (gopt_.padded_exchange)
+    for (int64_t l = 0; l < model_->n_blocks(); ++l)
+      if (MoeLayer* m = model_->moe_layer(l); m && m->expert_parallel()) m->set_padded_exchange(true);
   step_graph_ = graph::build_ep_step(cfg_.model, gopt_);
   runtime::PlacementHooks hooks;
   hooks.place = [this](int64_t l) { return strategy_.place(l); };

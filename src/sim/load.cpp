@@ -218,13 +218,21 @@ void fill_ep_costs(const ModelConfig& cfg, const graph::EpStepOptions& opt, cons
   for (graph::Op& op : g->ops) {
     if (op.layer < 0 || moe_index[op.layer] < 0 || R == 1) continue;
     const std::vector<int64_t>& t = load[moe_index[op.layer]];
+    // Padded (DeepSpeed-MoE's fixed-size exchange, MoeLayer::set_padded_exchange): every rank sends
+    // each expert the group's largest (rank, expert) count of rows.
+    int64_t slots = 0;
+    if (opt.padded_exchange)
+      for (int j = 0; j < G; ++j)
+        for (int64_t e = 0; e < E; ++e) slots = std::max(slots, t[(group0 + j) * E + e]);
     // Rows this rank sends to ep rank j, and rows ep rank j sends here.
     auto sent = [&](int j) {
+      if (opt.padded_exchange) return El * slots;
       int64_t rows = 0;
       for (int64_t e = j * El; e < (j + 1) * El; ++e) rows += t[rank * E + e];
       return rows;
     };
     auto received = [&](int j) {
+      if (opt.padded_exchange) return El * slots;
       int64_t rows = 0;
       for (int64_t e = me * El; e < (me + 1) * El; ++e) rows += t[(group0 + j) * E + e];
       return rows;

@@ -17,11 +17,15 @@ namespace {
 // Expert parallelism: one graph shape (build_ep_step), sizes from the load per rank.
 class EpStrategy : public SimStrategy {
  public:
-  explicit EpStrategy(const StrategySetup& s) : setup_(s) {
+  // name: a registered strategy that places no experts (ep, deepspeed); its configure sets the
+  // graph options (deepspeed: the padded exchange).
+  EpStrategy(const StrategySetup& s, const std::string& name) : setup_(s) {
     opt_.world = s.ranks;
     opt_.ep_size = s.ep_size;
     opt_.batch = s.batch_per_rank;
     opt_.allreduce_micro_bytes = s.allreduce_micro_bytes;
+    std::unique_ptr<strategy::Strategy> impl;
+    if (opt_.world > 1 && strategy::make(name, strategy::Setup{}, &impl)) impl->configure(&opt_);
     step_ = graph::build_ep_step(s.model, opt_);
   }
   void step_graphs(const StepLoad& load, std::vector<graph::StepGraph>* out) override {
@@ -44,8 +48,8 @@ std::map<std::string, StrategyInfo> sim_strategies() {
   for (const strategy::Registration& reg : strategy::registry()) {
     const std::string name = reg.name;
     if (!strategy::places_experts(name)) {
-      r[name] = {reg.summary, [](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
-                   *out = std::make_unique<EpStrategy>(s);
+      r[name] = {reg.summary, [name](const StrategySetup& s, std::unique_ptr<SimStrategy>* out) -> Status {
+                   *out = std::make_unique<EpStrategy>(s, name);
                    return Status::ok();
                  }};
     } else {

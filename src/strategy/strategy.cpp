@@ -15,6 +15,7 @@ std::unique_ptr<Strategy> make_hecate(const Setup&);
 std::unique_ptr<Strategy> make_fastermoe(const Setup&);
 std::unique_ptr<Strategy> make_smartmoe(const Setup&);
 std::unique_ptr<Strategy> make_flexmoe(const Setup&);
+std::unique_ptr<Strategy> make_deepspeed(const Setup&);
 
 namespace {
 std::vector<Registration>& mutable_registry() {
@@ -24,6 +25,7 @@ std::vector<Registration>& mutable_registry() {
       {"fastermoe", "FasterMoE shadowing: after each gate the hottest experts are broadcast to every rank", make_fastermoe},
       {"smartmoe", "SmartMoE: no replicas; every --reshard-every steps experts are swapped between ranks", make_smartmoe},
       {"flexmoe", "FlexMoE (reconstructed): persistent replicas of hot experts in --replica-slots slots, re-planned on imbalance", make_flexmoe},
+      {"deepspeed", "DeepSpeed-MoE: ep's experts, a fixed-size all-to-all (every expert gets the same slots from every rank, zero-padded) and experts computing over every slot", make_deepspeed},
   };
   return r;
 }
