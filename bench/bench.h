@@ -52,7 +52,7 @@ int cluster_ep_training(const BenchOptions& opt);
 // each run (calibrated on a local run made first). Returns the exit code.
 int cluster_strategies(const BenchOptions& opt);
 
-// The training strategies (ep, hecate, hecate --rematerialize, fastermoe, smartmoe, flexmoe) on 2 MPI ranks with a
+// The training strategies (ep, hecate, hecate --rematerialize, fastermoe, smartmoe, flexmoe, deepspeed) on 2 MPI ranks with a
 // skewed router, next to EP with an unskewed router: step time, MoE-layer time of the busiest rank,
 // expert GEMM time max/mean, rank imbalance, sparse-collective bytes. Starts mpirun itself.
 int strategies(const BenchOptions& opt);

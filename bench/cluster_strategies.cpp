@@ -124,7 +124,8 @@ int cluster_strategies(const BenchOptions& opt) {
   } cleanup{dir};
   const int rounds = std::max(1, opt.repeats == 5 ? 2 : opt.repeats);  // --repeats; default 2 here
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const std::vector<std::string> strategies = {"ep", "hecate", "fastermoe", "smartmoe --reshard-every 5", "flexmoe"};
+  const std::vector<std::string> strategies = {"ep",         "hecate",  "fastermoe", "smartmoe --reshard-every 5",
+                                               "flexmoe",    "deepspeed"};
   struct Config {
     int ranks_per_host;
     const char* nic;

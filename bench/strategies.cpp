@@ -89,7 +89,8 @@ int strategies(const BenchOptions& opt) {
                                     {"smartmoe --reshard-every 5", skew + "--strategy smartmoe --reshard-every 5"},
                                     {"smartmoe --reshard-every 20", skew + "--strategy smartmoe --reshard-every 20"},
                                     {"flexmoe", skew + "--strategy flexmoe"},
-                                    {"flexmoe --replica-slots 2", skew + "--strategy flexmoe --replica-slots 2"}};
+                                    {"flexmoe --replica-slots 2", skew + "--strategy flexmoe --replica-slots 2"},
+                                    {"deepspeed", skew + "--strategy deepspeed"}};
   std::vector<Samples> samples(configs.size());
   std::vector<bool> ok(configs.size(), true);
   for (int r = 0; r < rounds; ++r)
