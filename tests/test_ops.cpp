@@ -342,6 +342,11 @@ TEST(OpsValue, GemmMeasurementTimesBothBackends) {
   EXPECT_FALSE(r.openblas_core.empty());
   EXPECT_THROW(measure_gemm_backends({}, 3), std::invalid_argument);
   EXPECT_THROW(measure_gemm_backends(shapes, 0), std::invalid_argument);
+  // The kernel in use alone, timed the same way.
+  const double rate = measure_gemm_rate(shapes, 3);
+  EXPECT_TRUE(rate > 0 && std::isfinite(rate)) << rate;
+  EXPECT_THROW(measure_gemm_rate({}, 3), std::invalid_argument);
+  EXPECT_THROW(measure_gemm_rate(shapes, 0), std::invalid_argument);
   EXPECT_THROW(measure_gemm_backends({{false, false, 0, 4, 4}}, 1), std::invalid_argument);
 }
 

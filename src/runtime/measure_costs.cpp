@@ -61,27 +61,6 @@ Status ping_pong(comm::Communicator& world, int partner, std::vector<LinkSample>
   return Status::ok();
 }
 
-// The pinned kernel's rate over the expert GEMMs of `rows` rows: the best of a few passes.
-double gemm_rate(const ModelConfig& model, int64_t rows) {
-  const std::vector<GemmShape> shapes = expert_gemm_shapes(std::max<int64_t>(1, rows), model.d_model, model.d_ffn);
-  int64_t most = 0;
-  double flops = 0;
-  for (const GemmShape& g : shapes) {
-    most = std::max({most, g.M * g.K, g.K * g.N, g.M * g.N});
-    flops += 2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K);
-  }
-  std::vector<float> a(most, 0.01f), b(most, 0.02f), c(most, 0.0f);
-  double best = std::numeric_limits<double>::infinity();
-  for (int pass = 0; pass < 4; ++pass) {  // pass 0: warm-up
-    const auto t0 = Clock::now();
-    for (const GemmShape& g : shapes)
-      gemm(g.trans_a, g.trans_b, g.M, g.N, g.K, 1.0f, a.data(), g.trans_a ? g.M : g.K, b.data(),
-           g.trans_b ? g.K : g.N, 0.0f, c.data(), g.N);
-    if (pass > 0) best = std::min(best, seconds_since(t0));
-  }
-  return flops / best;
-}
-
 // When the times do not fit a line (ranks taking turns on oversubscribed cores make small messages
 // as slow as large ones): the largest message's rate, and the smallest message's time as latency.
 strategy::LinkCost rough_link_cost(const std::vector<LinkSample>& samples) {
@@ -151,7 +130,9 @@ Status measure_costs(comm::Communicator* world, const plan::Nodes& nodes, const 
       if (Status s = world->barrier(); !s) return s;  // one class at a time
     }
   }
-  out->gemm_flops = gemm_rate(model, rows);
+  // The pinned kernel on the expert GEMMs of `rows` rows.
+  out->gemm_flops =
+      1e9 * measure_gemm_rate(expert_gemm_shapes(std::max<int64_t>(1, rows), model.d_model, model.d_ffn), 3);
   return Status::ok();
 }
 

@@ -135,18 +135,41 @@ std::string gemm_backend() { return choice().why; }
 
 std::string gemm_backend_name() { return choice().backend == Backend::onednn ? "onednn" : "openblas"; }
 
-GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds) {
-  if (shapes.empty() || rounds < 1) throw std::invalid_argument("measure_gemm_backends: no shapes or rounds < 1");
-  size_t a = 0, b = 0, c = 0;
+namespace {
+// Operands big enough for every shape of a measurement, and the FLOPs of one pass over the shapes.
+struct ShapeOperands {
+  std::vector<float> A, B, C;
   double flops = 0;
+};
+ShapeOperands operands_for(const char* who, const std::vector<GemmShape>& shapes, int rounds) {
+  if (shapes.empty() || rounds < 1) throw std::invalid_argument(std::string(who) + ": no shapes or rounds < 1");
+  size_t a = 0, b = 0, c = 0;
+  ShapeOperands o;
   for (const GemmShape& g : shapes) {
-    if (g.M < 1 || g.N < 1 || g.K < 1) throw std::invalid_argument("measure_gemm_backends: empty shape");
+    if (g.M < 1 || g.N < 1 || g.K < 1) throw std::invalid_argument(std::string(who) + ": empty shape");
     a = std::max(a, static_cast<size_t>(g.M * g.K));
     b = std::max(b, static_cast<size_t>(g.K * g.N));
     c = std::max(c, static_cast<size_t>(g.M * g.N));
-    flops += 2.0 * g.M * g.N * g.K;
+    o.flops += 2.0 * g.M * g.N * g.K;
   }
-  std::vector<float> A(a, 0.01f), B(b, 0.02f), C(c);
+  o.A.assign(a, 0.01f), o.B.assign(b, 0.02f), o.C.assign(c, 0.0f);
+  return o;
+}
+}  // namespace
+
+double measure_gemm_rate(const std::vector<GemmShape>& shapes, int rounds) {
+  ShapeOperands o = operands_for("measure_gemm_rate", shapes, rounds);
+  const Backend b = choice().backend;
+  time_shapes(b, shapes, o.A, o.B, o.C, 0);  // warm-up, as below
+  double best = 0;
+  for (int r = 0; r < rounds; ++r) best = std::max(best, o.flops / time_shapes(b, shapes, o.A, o.B, o.C, 0.004) * 1e-9);
+  return best;
+}
+
+GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds) {
+  ShapeOperands o = operands_for("measure_gemm_backends", shapes, rounds);
+  std::vector<float>&A = o.A, &B = o.B, &C = o.C;
+  const double flops = o.flops;
   // Warm-up: first-touch pages, each library's kernel selection and thread pool.
   time_shapes(Backend::onednn, shapes, A, B, C, 0);
   time_shapes(Backend::openblas, shapes, A, B, C, 0);

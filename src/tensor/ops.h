@@ -57,6 +57,10 @@ struct GemmRates {
 // Takes about rounds x 10 ms on the calling thread with the current thread counts.
 // REQUIRES: shapes non-empty with M, N, K >= 1 and rounds >= 1 (std::invalid_argument).
 GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds);
+// The GEMM kernel in use (pinned, or the lazy choice) on a list of shapes, GFLOP/s: the best of
+// `rounds` rounds timed as measure_gemm_backends times each backend.
+// REQUIRES: as measure_gemm_backends (std::invalid_argument).
+double measure_gemm_rate(const std::vector<GemmShape>& shapes, int rounds);
 // The rates from each round's GFLOP/s of each backend (what measure_gemm_backends times). Pure.
 // REQUIRES: both series of the same non-zero length (std::invalid_argument).
 GemmRates gemm_rates_from_rounds(const std::vector<double>& onednn, const std::vector<double>& openblas,
