@@ -59,13 +59,7 @@ void Strategy::set_cost_model(const strategy::CostModel& cost) {
 
 void Strategy::refresh_gemm_rate(double measured_flops) {
   if (!(measured_flops > 0) || !std::isfinite(measured_flops)) return;
-  const double rate = 0.8 * cost_.gemm_flops + 0.2 * measured_flops;
-  strategy::CostModel c = strategy::make_cost_model(cfg_.model, cost_.bandwidth, rate);
-  c.overlap_bandwidth = cost_.overlap_bandwidth;
-  c.transfers_take_compute = cost_.transfers_take_compute;
-  c.intra_node = cost_.intra_node;
-  c.inter_node = cost_.inter_node;
-  cost_ = c;
+  strategy::set_gemm_rate(&cost_, cfg_.model, 0.8 * cost_.gemm_flops + 0.2 * measured_flops);
   impl_->update_cost(cost_);
 }
 

@@ -582,8 +582,7 @@ Status TrainingRun::gather_loads(StepLoads* out) {
 // (forward and backward: 3 passes) over their measured time, mean over ranks (the same inputs, hence
 // the same value, on every rank).
 void TrainingRun::refresh_costs(const StepFigures& f, const StepLoads& l) {
-  const ModelConfig& m = cfg_.model;
-  const double per_row = 3.0 * 2.0 * (m.activation == "swiglu" ? 3 : 2) * static_cast<double>(m.d_model * m.d_ffn);
+  const double per_row = strategy::expert_flops_per_token(cfg_.model);
   double rate = 0;
   int n = 0;
   for (int r = 0; r < ranks_.size; ++r) {

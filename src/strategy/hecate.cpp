@@ -49,14 +49,13 @@ class Hecate : public Strategy {
     const std::vector<double> load = predictor_.predict(layer);
     plan::LayerPlacement p = plan::sparse_materialize(owners, load, t_, slots_, s_.nodes);
     if (!s_.cost.transfers_take_compute || p.replicas == owners.replicas) return p;
-    const plan::CalibrationModel cm{s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes};
-    return plan::price_placement(owners, p, plan::even_counts(load, owners.n_ranks), s_.nodes, cm).placement;
+    return plan::price_placement(owners, p, plan::even_counts(load, owners.n_ranks), s_.nodes, calibration_model())
+        .placement;
   }
   bool after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
                   const std::vector<std::vector<int64_t>>& counts, plan::LayerPlacement* out) override {
     (void)layer, (void)owners;
-    const plan::CalibrationModel cm{s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes};
-    const plan::Calibration c = plan::calibrate(in_force, counts, t_, slots_, s_.nodes, cm);
+    const plan::Calibration c = plan::calibrate(in_force, counts, t_, slots_, s_.nodes, calibration_model());
     if (!c.gather) return false;
     *out = c.placement;
     ++calibrations_;
@@ -81,6 +80,11 @@ class Hecate : public Strategy {
   bool gathers_behind_attention() const override { return true; }
 
  private:
+  // The price of a gather (before the gate and at calibration alike).
+  plan::CalibrationModel calibration_model() const {
+    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes};
+  }
+
   Setup s_;
   plan::LoadPredictor predictor_;
   int reshard_every_ = 0;

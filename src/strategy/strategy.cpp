@@ -74,15 +74,23 @@ bool places_experts(const std::string& name) {
   return make(name, Setup{}, &probe) && probe->uses_placements();
 }
 
+double expert_flops_per_token(const ModelConfig& model) {
+  // Forward and backward: 3 GEMM passes over the expert's matrices.
+  const double mats = model.activation == "swiglu" ? 3 : 2;
+  return 3 * 2 * mats * static_cast<double>(model.d_model * model.d_ffn);
+}
+
+void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops) {
+  c->gemm_flops = gemm_flops;
+  c->expert_seconds_per_token = expert_flops_per_token(model) / gemm_flops;
+}
+
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops) {
   CostModel c;
   const int64_t mats = model.activation == "swiglu" ? 3 : 2;
   c.bandwidth = c.overlap_bandwidth = bandwidth;
-  c.gemm_flops = gemm_flops;
   c.expert_bytes = mats * model.d_model * model.d_ffn * static_cast<int64_t>(sizeof(float));
-  // Forward and backward: 3 GEMM passes over the expert's matrices.
-  c.expert_seconds_per_token = 3 * 2 * static_cast<double>(mats) * static_cast<double>(model.d_model * model.d_ffn) /
-                               gemm_flops;
+  set_gemm_rate(&c, model, gemm_flops);
   return c;
 }
 

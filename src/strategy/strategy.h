@@ -54,6 +54,11 @@ struct CostModel {
 // The cost model of `model`'s experts at these rates; overlap_bandwidth = bandwidth, no links.
 // REQUIRES: gemm_flops > 0.
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops);
+// FLOPs of one token through one of `model`'s experts, forward and backward (3 GEMM passes).
+double expert_flops_per_token(const ModelConfig& model);
+// c's GEMM rate and what follows from it (expert_seconds_per_token); the rest of c is kept.
+// REQUIRES: gemm_flops > 0.
+void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops);
 // "intra 9.8 GB/s 4 us, inter 0.118 GB/s 60 us, gemm 410 GFLOP/s, weights 1.2 GB/s, t from 0.118 GB/s"
 std::string describe(const CostModel& c);
 
