@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "runtime/strategy.h"
 #include "strategy/strategy.h"
 
 namespace {
@@ -178,6 +179,27 @@ TEST(StrategyDecisions, FlexMoeStartsFromTheOwnersAndKeepsItsPlacement) {
   p = f->before_step(0, owners);
   ASSERT_TRUE(p.has_value());
   EXPECT_GT(p->replicas[0].size(), 1u);
+}
+
+}  // namespace
+
+namespace {
+
+// The trainer's side: the GEMM rate follows the measured expert ops unless --gemm-gflops gave it.
+TEST(RuntimeStrategy, TheGemmRateFollowsMeasurementsUnlessGiven) {
+  moe::TrainConfig cfg;
+  cfg.strategy = "hecate";
+  cfg.gemm_gflops = 50;
+  moe::runtime::Strategy given(cfg);
+  given.refresh_gemm_rate(200e9);
+  EXPECT_EQ(given.cost_model().gemm_flops, 50e9);
+  cfg.gemm_gflops = 0;
+  moe::runtime::Strategy measured(cfg);
+  const double before = measured.cost_model().gemm_flops;
+  measured.refresh_gemm_rate(200e9);
+  EXPECT_DOUBLE_EQ(measured.cost_model().gemm_flops, 0.8 * before + 0.2 * 200e9);
+  EXPECT_DOUBLE_EQ(measured.cost_model().expert_seconds_per_token,
+                   strategy::expert_flops_per_token(cfg.model) / measured.cost_model().gemm_flops);
 }
 
 }  // namespace

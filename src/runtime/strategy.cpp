@@ -58,7 +58,8 @@ void Strategy::set_cost_model(const strategy::CostModel& cost) {
 }
 
 void Strategy::refresh_gemm_rate(double measured_flops) {
-  if (!(measured_flops > 0) || !std::isfinite(measured_flops)) return;
+  // --gemm-gflops is an override: a rate given is kept.
+  if (cfg_.gemm_gflops > 0 || !(measured_flops > 0) || !std::isfinite(measured_flops)) return;
   strategy::set_gemm_rate(&cost_, cfg_.model, 0.8 * cost_.gemm_flops + 0.2 * measured_flops);
   impl_->update_cost(cost_);
 }

@@ -42,7 +42,7 @@ class Strategy {
   const strategy::CostModel& cost_model() const { return cost_; }
   // Between steps: the expert GEMM rate measured in the step (the same value on every rank) folded
   // into the cost model (an exponential average, weight 0.2 on the new rate), which the strategy
-  // then plans with. Ignored unless finite and > 0.
+  // then plans with. Ignored unless finite and > 0, and when --gemm-gflops gave the rate.
   void refresh_gemm_rate(double measured_flops);
 
   // Before a step: each MoE layer's placement from the strategy.
