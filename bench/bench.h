@@ -3,8 +3,15 @@
 // machines here are shared and noisy, ratios measured side by side are what hold.
 #pragma once
 
+#include <filesystem>
 #include <string>
 #include <vector>
+
+#include "util/status.h"
+
+namespace moe::sim {
+struct SimRunConfig;
+}
 
 namespace moe::bench {
 
@@ -12,6 +19,22 @@ namespace moe::bench {
 double median(std::vector<double> v);  // the upper median; 0 for no samples
 // bench/torch_moe_layer_peer.py: under $MOE_BENCH_DIR if set, else in the source tree moe was built from.
 std::string torch_peer_script();
+// A fresh directory under the temp directory ("<prefix><pid>"), removed with its contents when this
+// goes out of scope, whatever happened in between.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& prefix);
+  ~ScratchDir();
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+// The simulator's step graph time (compute + exposed communication, mean over ranks) of cfg replaying
+// the load recorded in `metrics` (a moe train --metrics file): the median over steps first_step.. .
+Status simulated_graph_ms(sim::SimRunConfig cfg, const std::string& metrics, size_t first_step, double* ms);
 
 struct BenchOptions {
   int threads = 2;

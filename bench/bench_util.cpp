@@ -3,7 +3,12 @@
 #include <cstdlib>
 #include <string>
 
+#include <unistd.h>
+
+#include <system_error>
+
 #include "bench/bench.h"
+#include "sim/simulate.h"
 #include "bench/mpi_bench.h"
 #include "comm/mpi_communicator.h"
 
@@ -12,6 +17,29 @@ namespace moe::bench {
 std::string torch_peer_script() {
   if (const char* dir = std::getenv("MOE_BENCH_DIR")) return std::string(dir) + "/torch_moe_layer_peer.py";
   return std::string(MOE_SOURCE_DIR) + "/bench/torch_moe_layer_peer.py";
+}
+
+ScratchDir::ScratchDir(const std::string& prefix)
+    : path_(std::filesystem::temp_directory_path() / (prefix + std::to_string(getpid()))) {
+  std::filesystem::create_directories(path_);
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+Status simulated_graph_ms(sim::SimRunConfig cfg, const std::string& metrics, size_t first_step, double* ms) {
+  cfg.load.kind = sim::LoadSpec::Kind::recorded;
+  cfg.load.file = metrics;
+  sim::SimRunResult res;
+  if (Status s = sim::simulate(cfg, &res); !s) return s;
+  std::vector<double> pred;
+  for (size_t k = first_step; k < res.steps.size(); ++k)
+    pred.push_back(res.steps[k].mean.compute_ms + res.steps[k].mean.exposed_comm_ms);
+  if (pred.empty()) pred.push_back(res.steps[0].mean.compute_ms + res.steps[0].mean.exposed_comm_ms);
+  *ms = median(pred);
+  return Status::ok();
 }
 
 double median(std::vector<double> v) {

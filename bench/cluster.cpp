@@ -49,7 +49,6 @@ namespace moe::bench {
 namespace {
 
 constexpr const char* kCluster = "moebench";
-constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
 
 // Prints why the bench cannot run when `cluster` is not up; returns cluster.up().
 bool usable(const EmulatedCluster& cluster, const char* bench) {

@@ -42,7 +42,6 @@ namespace moe::bench {
 namespace {
 
 constexpr const char* kCluster = "moestrat";
-constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
 constexpr int kSteps = 12, kWarmup = 3;
 
 struct Run {
@@ -84,8 +83,8 @@ Run train(const std::string& launch, const std::string& args, const std::string&
   return run;
 }
 
-// The simulated graph time of a run of `strategy` replaying its recorded load (steps after the
-// first; the same definition as Run::graph_ms).
+// The simulator's graph time of a run of `strategy` replaying its recorded load (after the warm-up,
+// the same steps as Run::graph_ms).
 Status predict(const sim::ClusterSpec& cluster, const std::string& strategy, int reshard_every, int ranks,
                const std::string& metrics, double* ms) {
   sim::SimRunConfig cfg;
@@ -98,30 +97,15 @@ Status predict(const sim::ClusterSpec& cluster, const std::string& strategy, int
   cfg.batch = 16;
   cfg.steps = kSteps;
   cfg.allreduce_micro_bytes = 256 << 10;  // moe train's default
-  cfg.load.kind = sim::LoadSpec::Kind::recorded;
-  cfg.load.file = metrics;
-  sim::SimRunResult res;
-  if (Status s = sim::simulate(cfg, &res); !s) return s;
-  std::vector<double> pred;
-  for (size_t k = kWarmup; k < res.steps.size(); ++k)
-    pred.push_back(res.steps[k].mean.compute_ms + res.steps[k].mean.exposed_comm_ms);
-  *ms = median(pred);
-  return Status::ok();
+  return simulated_graph_ms(cfg, metrics, kWarmup, ms);
 }
 
 }  // namespace
 
 int cluster_strategies(const BenchOptions& opt) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / str_cat("moe_bench_cluster_strategies_", getpid());
-  fs::create_directories(dir);
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{dir};
+  const ScratchDir scratch("moe_bench_cluster_strategies_");
+  const fs::path& dir = scratch.path();
   const int rounds = std::max(1, opt.repeats == 5 ? 2 : opt.repeats);  // --repeats; default 2 here
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const std::vector<std::string> strategies = {"ep",         "hecate",  "fastermoe", "smartmoe --reshard-every 5",

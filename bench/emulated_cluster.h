@@ -7,6 +7,10 @@
 
 namespace moe::bench {
 
+// Frame bytes per TCP payload byte at MTU 1500 (Ethernet + IP + TCP with timestamps: 1514 / 1448): what
+// a capped emulated NIC's payload rate is below its line rate.
+inline constexpr double kWireFactor = 1514.0 / 1448.0;
+
 class EmulatedCluster {
  public:
   // name: the cluster's (cluster.sh --name); a cluster of that name left by an interrupted run is

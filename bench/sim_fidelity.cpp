@@ -60,7 +60,6 @@ namespace {
 constexpr const char* kCluster = "moefid";
 constexpr const char* kNic = "1gbit";
 constexpr double kNicBits = 1e9;                  // kNic in bits/s
-constexpr double kWireFactor = 1514.0 / 1448.0;  // frame bytes per TCP payload byte at MTU 1500
 
 std::string first_line(std::string s) {
   if (const size_t nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
@@ -140,20 +139,6 @@ std::string model_flags(const ModelConfig& m) {
          " --experts " + std::to_string(m.n_experts) + " --top-k " + std::to_string(m.top_k);
 }
 
-// The simulated graph time (same definition and steps as Measured::graph_ms) of `cfg` replaying the
-// recorded load in `metrics`.
-Status predict(sim::SimRunConfig cfg, const std::string& metrics, double* ms) {
-  cfg.load.kind = sim::LoadSpec::Kind::recorded;
-  cfg.load.file = metrics;
-  sim::SimRunResult res;
-  if (Status s = sim::simulate(cfg, &res); !s) return s;
-  std::vector<double> pred;
-  for (size_t k = 1; k < res.steps.size(); ++k) pred.push_back(res.steps[k].mean.compute_ms + res.steps[k].mean.exposed_comm_ms);
-  if (pred.empty()) pred.push_back(res.steps[0].mean.compute_ms + res.steps[0].mean.exposed_comm_ms);
-  *ms = median(pred);
-  return Status::ok();
-}
-
 // " 183 (1.03)": a run's measured ms and its rank spread.
 std::string run_cell(double ms, double rank_spread) {
   char buf[48];
@@ -165,15 +150,8 @@ std::string run_cell(double ms, double rank_spread) {
 
 int sim_fidelity(const BenchOptions& opt) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("moe_bench_sim_fidelity_" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } cleanup{dir};
+  const ScratchDir scratch("moe_bench_sim_fidelity_");
+  const fs::path& dir = scratch.path();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = 1;
   const int steps = 6;
@@ -291,7 +269,7 @@ int sim_fidelity(const BenchOptions& opt) {
       }
       for (const std::string& file : metrics[i]) {
         double ms = 0;
-        if (Status s = predict(cfg, file, &ms); !s) {
+        if (Status s = simulated_graph_ms(cfg, file, 1, &ms); !s) {  // as Measured::graph_ms: after step 1
           std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
           return 1;
         }
