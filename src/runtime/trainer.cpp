@@ -32,7 +32,7 @@
 #include "runtime/executor.h"
 #include "runtime/measure_costs.h"
 #include "runtime/sharded_checkpoint.h"
-#include "plan/hecate.h"
+#include "plan/placement.h"
 #include "runtime/strategy.h"
 #include "runtime/trace.h"
 #include "tensor/ops.h"

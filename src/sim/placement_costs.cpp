@@ -62,10 +62,10 @@ plan::LayerPlacement owned_only(const std::vector<int>& owner, int n_ranks) {
 // timed.
 class PlacementStrategy : public SimStrategy {
  public:
-  // step: build_ep_step(s.model, opt); cost: the strategy's cost model; attn_s: the mean attn_fwd time.
+  // step: build_ep_step(s.model, opt); attn_s: the mean attn_fwd time (what observe tells the strategy).
   PlacementStrategy(std::unique_ptr<strategy::Strategy> impl, const StrategySetup& s, const graph::EpStepOptions& opt,
-                    graph::EpStep step, const strategy::CostModel& cost, double attn_s)
-      : impl_(std::move(impl)), setup_(s), opt_(opt), step_(std::move(step)), cost_(cost), attn_s_(attn_s) {
+                    graph::EpStep step, double attn_s)
+      : impl_(std::move(impl)), setup_(s), opt_(opt), step_(std::move(step)), attn_s_(attn_s) {
     nodes_.node_of_rank = s.node_of_rank;
     owners_.assign(strategy::moe_layer_count(s.model),
                    plan::even_placement(static_cast<int>(s.model.n_experts), s.ranks));
@@ -125,7 +125,6 @@ class PlacementStrategy : public SimStrategy {
   graph::EpStep step_;
   plan::Nodes nodes_;
   std::vector<plan::LayerPlacement> owners_;  // per MoE layer: the shards' owners now
-  strategy::CostModel cost_;
   double attn_s_ = 0;
   int64_t steps_ = 0;
   std::vector<SparseSchedule> schedules_;
@@ -321,8 +320,7 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   setup.cost.inter_node = s.inter_node;
   std::unique_ptr<strategy::Strategy> impl;
   if (Status st = strategy::make(name, setup, &impl); !st) return st;
-  *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, std::move(step), setup.cost,
-                                             n_attn ? attn_s / n_attn : 0);
+  *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, std::move(step), n_attn ? attn_s / n_attn : 0);
   return Status::ok();
 }
 
