@@ -29,6 +29,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include "progress_losses.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "util/shell.h"
@@ -80,13 +81,6 @@ bool alive(const std::string& pid) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return true;
-}
-
-std::vector<double> losses(const std::string& out) {
-  std::vector<double> v;
-  std::regex re(R"(step\s+\d+/\d+\s+loss ([0-9.]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) v.push_back(std::stod((*it)[1]));
-  return v;
 }
 
 std::string tiny_model() {
@@ -188,7 +182,7 @@ TEST_F(ClusterEmulation, TrainingOnTwoHostsEqualsOneProcess) {
   ASSERT_EQ(two.exit_code, 0) << two.output;
   EXPECT_NE(two.output.find("topology: 2 nodes x 1 rank"), std::string::npos) << two.output;
   EXPECT_NE(two.output.find("ranks: 2"), std::string::npos) << two.output;
-  auto a = losses(ref.output), b = losses(two.output);
+  auto a = progress_losses(ref.output), b = progress_losses(two.output);
   ASSERT_EQ(a.size(), 6u) << ref.output;
   ASSERT_EQ(a.size(), b.size()) << two.output;
   double worst = 0;

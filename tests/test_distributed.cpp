@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "progress_losses.h"
 #include "graph/ep_builder.h"
 #include "model/checkpoint.h"
 #include "util/shell.h"
@@ -35,13 +36,6 @@ TrainRun train(int ranks, const std::string& args, const std::string& extra_env 
                     extra_env + " ";
   std::string launch = ranks > 0 ? std::string(MOE_MPIEXEC) + " -n " + std::to_string(ranks) + " " : "";
   return run_shell(env + "timeout -k 5 240 " + launch + MOE_BIN + " train " + args);
-}
-
-std::vector<double> losses(const std::string& out) {
-  std::vector<double> v;
-  std::regex re(R"(step\s+\d+/\d+\s+loss ([0-9.]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) v.push_back(std::stod((*it)[1]));
-  return v;
 }
 
 std::map<std::string, moe::LoadedTensor> weights(const fs::path& ckpt) {
@@ -98,7 +92,7 @@ constexpr double kLossTol = 2e-4;
 
 void expect_same_run(const std::string& label, const TrainRun& ref, const TrainRun& run) {
   ASSERT_EQ(run.exit_code, 0) << label << ":\n" << run.output;
-  auto a = losses(ref.output), b = losses(run.output);
+  auto a = progress_losses(ref.output), b = progress_losses(run.output);
   ASSERT_EQ(a.size(), b.size()) << label << ":\n" << run.output;
   ASSERT_FALSE(a.empty());
   double worst = 0;

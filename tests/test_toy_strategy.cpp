@@ -25,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "progress_losses.h"
 #include "plan/load_predictor.h"
 #include "runtime/trainer.h"
 #include "sim/cluster.h"
@@ -75,13 +76,6 @@ const char* const kFlags[] = {"--seq-len", "16", "--d-model", "16", "--layers", 
                               "--experts", "4", "--batch-size", "8", "--steps", "6", "--log-every", "1",
                               "--eval-batches", "2", "--threads", "1", "--lr", "1e-2", "--router-skew", "1.5"};
 
-std::vector<double> losses(const std::string& out) {
-  std::vector<double> v;
-  std::regex re(R"(step\s+\d+/\d+\s+loss ([0-9.]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) v.push_back(std::stod((*it)[1]));
-  return v;
-}
-
 // The child: one rank of `mpirun -n 2 <this binary>`, training with the toy strategy in-process.
 TEST(ToyStrategyChild, TrainsOnOneRank) {
   const char* metrics = std::getenv("MOE_TOY_CHILD");
@@ -115,7 +109,7 @@ TEST(ToyStrategy, TheTrainerRunsItAndItTrainsEpsModel) {
                      " --gtest_filter=ToyStrategyChild.TrainsOnOneRank");
   ASSERT_EQ(toy.exit_code, 0) << toy.output;
   EXPECT_NE(toy.output.find("strategy: mirror-hot"), std::string::npos) << toy.output;
-  const std::vector<double> a = losses(ep.output), b = losses(toy.output);
+  const std::vector<double> a = progress_losses(ep.output), b = progress_losses(toy.output);
   ASSERT_EQ(a.size(), 6u) << ep.output;
   ASSERT_EQ(b.size(), a.size()) << toy.output;
   double worst = 0;
