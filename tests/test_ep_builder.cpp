@@ -210,3 +210,45 @@ TEST(EpBuilder, ReplicaGathersNeedOneExpertParallelGroup) {
   opt.gather_before_gate = true;
   EXPECT_THROW(moe::graph::build_ep_step(small_model(), opt), std::invalid_argument);
 }
+
+// The pieces compose another step: a dispatch in three chunks, each expert_fwd chunk after its own
+// exchange chunk, and the standard backward; the graph is valid and has EP's buckets.
+TEST(StepBuilder, ChunkedDispatchPipelinesWithTheExperts) {
+  const moe::ModelConfig cfg = small_model();
+  const moe::graph::EpStepOptions opt{2, 2, 4, 4096};
+  moe::graph::StepBuilder b(cfg, opt);
+  int x = b.embed_forward();
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    x = b.attention_forward(l, x);
+    if (!b.expert_parallel(l)) {
+      x = b.ffn_forward(l, x);
+      continue;
+    }
+    x = b.combine(l, b.experts_forward(l, b.dispatch(l, b.gate(l, x), 3)));
+  }
+  x = b.head(x);
+  for (int64_t l = cfg.n_layers - 1; l >= 0; --l) x = b.block_backward(l, x);
+  b.embed_backward(x);
+  const moe::graph::EpStep s = b.finish();
+  const moe::graph::EpStep ep = moe::graph::build_ep_step(cfg, opt);
+  ASSERT_EQ(s.buckets.size(), ep.buckets.size());
+  for (size_t i = 0; i < s.buckets.size(); ++i) EXPECT_EQ(s.buckets[i].params, ep.buckets[i].params);
+  for (int l : {0, 2}) {
+    double flops = 0;
+    for (int c = 0; c < 3; ++c) {
+      const Op* a2a = find(s.graph, OpKind::dispatch_a2a, l, c);
+      const Op* experts = find(s.graph, OpKind::expert_fwd, l, c);
+      ASSERT_TRUE(a2a && experts) << "block " << l << " chunk " << c;
+      EXPECT_EQ(a2a->n_micro, 3);
+      EXPECT_EQ(experts->n_micro, 3);
+      EXPECT_EQ(a2a->stream, moe::graph::kA2aStream);
+      EXPECT_EQ(a2a->deps, std::vector<int>{find(s.graph, OpKind::dispatch_fwd, l)->id});
+      EXPECT_EQ(experts->deps, std::vector<int>{a2a->id}) << "chunk " << c << " waits for its own exchange only";
+      flops += experts->cost.flops;
+    }
+    EXPECT_DOUBLE_EQ(flops, find(ep.graph, OpKind::expert_fwd, l)->cost.flops);
+    EXPECT_EQ(find(s.graph, OpKind::combine_a2a, l)->deps, std::vector<int>{find(s.graph, OpKind::expert_fwd, l, 2)->id});
+  }
+  EXPECT_THROW(moe::graph::StepBuilder(cfg, opt).dispatch(0, 0, 0), std::logic_error);
+  EXPECT_THROW(moe::graph::StepBuilder(cfg, opt).ffn_forward(0, 0), std::logic_error);
+}

@@ -140,6 +140,21 @@ TEST(Placement, NodesAndOwnerMoves) {
 
 // ---------------------------------------------------------------- dispatch
 
+// A chunked exchange's rule: each rank's held experts, ascending, in n contiguous parts.
+TEST(Placement, ExchangeChunksSplitEachRanksHeldExpertsInOrder) {
+  LayerPlacement p = even_placement(6, 2);  // rank 0 holds 0,1,2; rank 1 holds 3,4,5
+  p.replicas[4] = {0, 1};                   // rank 0 also holds 4: 0,1,2,4
+  const std::vector<std::vector<int>> c = exchange_chunks(p, 2);
+  EXPECT_EQ(c[0], (std::vector<int>{0, 0, 1, 0, 1, 0}));  // 0,1 | 2,4 (3, 5 not held: 0)
+  EXPECT_EQ(c[1], (std::vector<int>{0, 0, 0, 0, 0, 1}));  // 3 | 4,5 (position i of 3 -> i*2/3)
+  EXPECT_EQ(exchange_chunks(p, 1), std::vector<std::vector<int>>(2, std::vector<int>(6, 0)));
+  // More chunks than experts: some chunks carry nothing; every chunk index stays below n.
+  const std::vector<std::vector<int>> many = exchange_chunks(even_placement(4, 2), 4);
+  EXPECT_EQ(many[0], (std::vector<int>{0, 2, 0, 0}));
+  EXPECT_EQ(many[1], (std::vector<int>{0, 0, 0, 2}));
+  EXPECT_THROW(exchange_chunks(p, 0), std::logic_error);
+}
+
 TEST(Dispatch, KeepsTokensLocalWhenTheSourceHoldsAReplica) {
   LayerPlacement p = even_placement(4, 4);  // expert e on rank e
   p.replicas[0] = {0, 1, 2, 3};

@@ -1,5 +1,6 @@
-// The expert-parallel (EP) training step as a StepGraph: the baseline every strategy is measured
-// against (GShard / DeepSpeed-MoE style).
+// The expert-parallel (EP) training step as a StepGraph: the standard composition of
+// graph/step_builder.h's pieces, the step every registered strategy runs (GShard / DeepSpeed-MoE
+// style, with the placement strategies' replica gathers where their options ask for them).
 //
 // Placement: experts divided evenly among the ranks of an expert-parallel group of ep_size ranks
 // (consecutive world ranks, comm::Groups); world / ep_size groups each hold a replica of every
@@ -21,65 +22,13 @@
 // The optimizer is not part of the graph: it runs after every op ended.
 #pragma once
 
-#include <cstdint>
-#include <string>
-#include <vector>
-
-#include "graph/step_graph.h"
-#include "model/config.h"
+#include "graph/step_builder.h"
 
 namespace moe::graph {
 
-struct EpStepOptions {
-  int world = 1;          // ranks
-  int ep_size = 1;        // ranks per expert-parallel group; divides world and n_experts
-  int64_t batch = 1;      // sequences per rank
-  // Gradient allreduce is cut into micro-ops of at most this many bytes (0: one op per bucket).
-  int64_t allreduce_micro_bytes = 1 << 20;
-  // Placement strategies (MoeLayer::enable_placements: experts held by more ranks than their owner,
-  // Hecate and FasterMoE). REQUIRES: ep_size == world when any is set. Their ops run on a lane of
-  // their own (kGatherStream), so a gather never holds up the gate's sync or a token exchange queued
-  // behind it; per block, in the lane's FIFO order:
-  //   forward   [materialize] [materialize_placed]      (expert_fwd(l) waits for both)
-  //   backward  [rematerialize] [replica_grad_reduce]   (expert_bwd(l) waits for the first)
-  // With rematerialize, materialize(l) waits for the previous MoE block's expert_fwd and
-  // rematerialize(l) for expert_fwd(l): the forward frees a block's replicas in its expert_fwd.
-  // so a forward gather runs while attn_fwd(l) computes, and the gradient reduction and the next
-  // block's re-gather while gate_bwd(l) and attn_bwd(l) compute.
-  bool gather_before_gate = false;  // materialize(l): the replicas planned before the step (Hecate)
-  bool gather_after_gate = false;   // place(l) after gate_sync(l), then materialize_placed(l)
-  bool rematerialize = false;       // replicas freed after expert_fwd(l), gathered again for expert_bwd(l)
-  // DeepSpeed-MoE's exchange (MoeLayer::set_padded_exchange): every rank sends each expert the same
-  // number of slots, its kept rows then zero padding, and the experts compute over every slot. Same
-  // graph; the exchanges' and experts' sizes change.
-  bool padded_exchange = false;
-};
-
-bool gathers_replicas(const EpStepOptions& opt);  // any of the placement options set
-
-// The stream indices of an EP graph (streams absent with one rank).
-// The gather lane exists only with replica gathers (gathers_replicas): it has the all-to-all lane's
-// priority, so gathers and exchanges run side by side and both overtake the gradient allreduce.
-inline constexpr int kComputeStream = 0, kA2aStream = 1, kAllreduceStream = 2, kGatherStream = 3;
-inline constexpr int kA2aPriority = 1, kAllreducePriority = 0;
-
-// A gradient bucket: the parameters one grad_allreduce op (and its micro-ops) sums, by name.
-struct GradBucket {
-  std::string label;                 // "blocks.3", "blocks.3.experts", "embeddings", "head"
-  Group group = Group::world;        // world: replicated parameters; dp: expert replicas
-  std::vector<std::string> params;   // parameter names (docs/model.md)
-  int64_t elements = 0;              // this rank's elements over all of them
-};
-
-struct EpStep {
-  StepGraph graph;
-  // Buckets by index; the grad_allreduce ops of bucket i have label buckets[i].label.
-  std::vector<GradBucket> buckets;
-};
-
-// Pure: the graph for cfg and opt (the same on every rank up to sizes filled in at run time).
-// REQUIRES: cfg.validate() ok; opt.world % opt.ep_size == 0; cfg.n_experts % opt.ep_size == 0;
-// opt.batch >= 1 (std::invalid_argument otherwise).
+// Pure: the graph for cfg and opt (the same on every rank up to sizes filled in at run time):
+// embed_forward, block_forward per block, head, block_backward per block from the last,
+// embed_backward. REQUIRES: those of StepBuilder (std::invalid_argument otherwise).
 EpStep build_ep_step(const ModelConfig& cfg, const EpStepOptions& opt);
 
 }  // namespace moe::graph

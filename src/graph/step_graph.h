@@ -2,7 +2,7 @@
 //
 // A StepGraph is the list of operations of one step as one rank sees it. The runtime
 // (src/runtime/executor.h) runs it on real ranks; the simulator runs the very same graph on a
-// modeled cluster. Builders (ep_builder.h, later one per strategy) make graphs; nothing here runs
+// modeled cluster. Strategies assemble graphs from step_builder.h's pieces; nothing here runs
 // anything.
 //
 // Semantics both executors share:

@@ -370,6 +370,71 @@ void MoeLayer::ep_dispatch_a2a() {
   throw_if_error(ep_->alltoallv(send, send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
 }
 
+int64_t MoeLayer::exchange_rows(int64_t s, int64_t e, int64_t d) const {
+  if (padded_) return owners_.owner[e] == d ? slots_ : 0;
+  return rows_[s][e][d];
+}
+
+// Rows leave destination-major with experts ascending, and arrive source-major with experts
+// ascending, so a chunk's rows are one contiguous run inside every destination's (source's) block.
+void MoeLayer::chunk_counts(int c, int n, std::vector<int64_t>* send_counts, std::vector<int64_t>* send_displs,
+                            std::vector<int64_t>* recv_counts, std::vector<int64_t>* recv_displs) const {
+  const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), me = ep_->rank();
+  if (c < 0 || c >= n) throw std::logic_error(str_cat("MoeLayer: chunk ", c, " of ", n));
+  const std::vector<std::vector<int>> chunk = plan::exchange_chunks(placement_, n);
+  send_counts->assign(P, 0), send_displs->assign(P, 0), recv_counts->assign(P, 0), recv_displs->assign(P, 0);
+  for (int64_t p = 0; p < P; ++p) {
+    int64_t send_before = 0, send = 0, recv_before = 0, recv = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t out = exchange_rows(me, e, p), in = exchange_rows(p, e, me);
+      if (chunk[p][e] < c) send_before += out;
+      if (chunk[p][e] == c) send += out;
+      if (chunk[me][e] < c) recv_before += in;
+      if (chunk[me][e] == c) recv += in;
+    }
+    (*send_counts)[p] = send * C, (*send_displs)[p] = send_displs_[p] + send_before * C;
+    (*recv_counts)[p] = recv * C, (*recv_displs)[p] = recv_displs_[p] + recv_before * C;
+  }
+}
+
+void MoeLayer::ep_dispatch_a2a(int chunk, int n_chunks) {
+  if (n_chunks == 1) return ep_dispatch_a2a();
+  std::vector<int64_t> sc, sd, rc, rd;
+  chunk_counts(chunk, n_chunks, &sc, &sd, &rc, &rd);
+  const float* send = send_in_place_ ? xp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(send, sc, sd, xr_.data(), rc, rd));
+}
+
+int64_t MoeLayer::ep_experts(int chunk, int n_chunks) {
+  if (n_chunks == 1) {
+    ep_experts();
+    return expert_rows_;
+  }
+  if (chunk < 0 || chunk >= n_chunks) throw std::logic_error(str_cat("MoeLayer::ep_experts: chunk ", chunk, " of ", n_chunks));
+  if (chunk == 0) order_received_rows();
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(held_order_.size());
+  const std::vector<int> chunk_of = plan::exchange_chunks(placement_, n_chunks)[ep_->rank()];
+  const bool swiglu = cfg_.activation == Activation::swiglu;
+  int64_t rows = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    if (chunk_of[held_order_[h]] != chunk) continue;
+    const int64_t lo = local_offset_[h], hi = local_offset_[h + 1];
+    gather_rows(xe_.data() + lo * C, xr_.data(), perm_.data() + lo, hi - lo, C);
+    // One expert: owned ones are rows h of w1_, w2_, w3_; replicas slot h - El of rw1_, rw2_, rw3_.
+    const int64_t slot = h < El ? h : h - El;
+    const float* w1 = (h < El ? w1_.value.data() : rw1_.data()) + slot * F * C;
+    const float* w2 = (h < El ? w2_.value.data() : rw2_.data()) + slot * C * F;
+    const float* w3 = swiglu ? (h < El ? w3_.value.data() : rw3_.data()) + slot * F * C : nullptr;
+    experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
+                    local_offset_.data() + h, w1, w2, w3, ExpertShape{1, C, F, cfg_.activation});
+    for (int64_t i = lo; i < hi; ++i)
+      std::copy(ye_.data() + i * C, ye_.data() + (i + 1) * C, yr_.data() + static_cast<int64_t>(perm_[i]) * C);
+    rows += hi - lo;
+  }
+  return rows;
+}
+
 void MoeLayer::order_received_rows() {
   const int64_t C = cfg_.d_model, P = ep_->size(), me = ep_->rank(), rows = expert_rows_;
   // Held experts in compute order: owned ascending, then the replica slots in gather order.
@@ -474,14 +539,13 @@ void MoeLayer::ep_gate_bwd(float* dx) {
                   cfg_.aux_loss_weight, cfg_.z_loss_weight, loss_tokens_);
 }
 
-int64_t MoeLayer::ep_bytes_out(bool to_experts) const {
-  int64_t n = 0;
-  for (int64_t c : to_experts ? send_counts_ : recv_counts_) n += c;
-  return n * static_cast<int64_t>(sizeof(float));
-}
-
-std::vector<int64_t> MoeLayer::ep_peer_bytes(bool to_experts) const {
+std::vector<int64_t> MoeLayer::ep_peer_bytes(bool to_experts, int chunk, int n_chunks) const {
   std::vector<int64_t> b(to_experts ? send_counts_ : recv_counts_);
+  if (n_chunks > 1) {
+    if (!to_experts) throw std::logic_error("MoeLayer::ep_peer_bytes: only the dispatch is chunked");
+    std::vector<int64_t> sd, rc, rd;
+    chunk_counts(chunk, n_chunks, &b, &sd, &rc, &rd);
+  }
   for (int64_t& x : b) x *= static_cast<int64_t>(sizeof(float));
   return b;
 }

@@ -130,6 +130,14 @@ class MoeLayer {
   void ep_dispatch();                                 // global aux/z/capacity, layout, exchange plan, rows packed
   void ep_dispatch_a2a();                             // the rows, to the experts' holders
   void ep_experts();                                  // my held experts over the received rows
+  // The same two phases in n chunks, so a step can pipeline the exchange with the experts: chunk c
+  // carries to each rank d the rows of the c-th of n contiguous parts of the experts d holds this
+  // step (ascending ids, part i of H experts = those at positions [c*H/n, (c+1)*H/n)), and
+  // ep_experts(c, n) runs my held experts of chunk c once it arrived. Run chunks 0..n-1 of each in
+  // order (ep_experts(0, n) first, after ep_dispatch). The results equal the unchunked phases' bit
+  // for bit. ep_experts returns the rows it computed. REQUIRES: 0 <= chunk < n.
+  void ep_dispatch_a2a(int chunk, int n_chunks);
+  int64_t ep_experts(int chunk, int n_chunks);
   void ep_combine_a2a();                              // results back to the tokens' ranks
   void ep_combine(float* y /*[N,C]*/);                // gate-weighted sum
   void ep_combine_bwd(const float* dy /*[N,C]*/);
@@ -144,10 +152,10 @@ class MoeLayer {
   // and only the real rows go back to their tokens. Dropping follows the global rule above, so the
   // mathematics is EP's. REQUIRES: expert_parallel(), no placements enabled, before the first step.
   void set_padded_exchange(bool on);
-  // Bytes this rank sends in the last dispatch (to_experts) or combine exchange, in total and per
-  // ep group rank. Valid after ep_dispatch (to_experts) / ep_dispatch_a2a (combine).
-  int64_t ep_bytes_out(bool to_experts) const;
-  std::vector<int64_t> ep_peer_bytes(bool to_experts) const;
+  // Bytes this rank sends to each ep group rank in this step's dispatch (to_experts) or combine
+  // exchange; with chunk/n_chunks, in that chunk of the dispatch (to_experts only). Valid after
+  // ep_dispatch.
+  std::vector<int64_t> ep_peer_bytes(bool to_experts, int chunk = 0, int n_chunks = 1) const;
   // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
   int64_t expert_rows() const { return expert_rows_; }
 
@@ -252,6 +260,11 @@ class MoeLayer {
   void order_received_rows();  // perm_, local_offset_, held_order_ for this step's held experts
   void to_send_order(float* dst /*[send rows, C]*/, const float* src /*[rows, C] expert-major*/);
   void grow_exchange_buffers(int64_t received_rows, int64_t sent_rows);
+  // Rows rank s sends rank d for expert e this step (padded: slots_ to the owner).
+  int64_t exchange_rows(int64_t s, int64_t e, int64_t d) const;
+  // The alltoallv counts and displacements (floats) of chunk c of n of the dispatch.
+  void chunk_counts(int c, int n, std::vector<int64_t>* send_counts, std::vector<int64_t>* send_displs,
+                    std::vector<int64_t>* recv_counts, std::vector<int64_t>* recv_displs) const;
   std::vector<std::vector<std::vector<int64_t>>> rows_;  // [P][E][P]
   std::vector<int32_t> send_perm_, inv_send_perm_;  // inv_send_perm_[i]: send-order row of row i
   bool send_in_place_ = true;

@@ -61,6 +61,17 @@ Status LayerPlacement::validate() const {
   return Status::ok();
 }
 
+std::vector<std::vector<int>> exchange_chunks(const LayerPlacement& p, int n) {
+  if (n < 1) violated("exchange_chunks", "needs n >= 1");
+  std::vector<std::vector<int>> chunk(p.n_ranks, std::vector<int>(p.n_experts(), 0));
+  for (int d = 0; d < p.n_ranks; ++d) {
+    const std::vector<int> held = p.experts_on(d);
+    const int64_t H = static_cast<int64_t>(held.size());
+    for (int64_t i = 0; i < H; ++i) chunk[d][held[i]] = static_cast<int>(i * n / H);
+  }
+  return chunk;
+}
+
 LayerPlacement even_placement(int n_experts, int n_ranks) {
   if (n_ranks < 1 || n_experts < 0 || n_experts % n_ranks != 0)
     violated("even_placement", "needs n_ranks >= 1 and n_experts a non-negative multiple of n_ranks");

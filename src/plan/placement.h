@@ -40,6 +40,12 @@ struct LayerPlacement {
 // REQUIRES: R >= 1, E >= 0, E % R == 0.
 LayerPlacement even_placement(int n_experts, int n_ranks);
 
+// The chunk each (rank, expert) pair's rows travel in when a step cuts its token exchange in n
+// (graph::StepBuilder::dispatch, MoeLayer::ep_dispatch_a2a(chunk, n)): rank d's held experts,
+// ascending, in n contiguous parts, the one at position i of H in part i * n / H. [R][E]; 0 where d
+// does not hold e. REQUIRES: n >= 1.
+std::vector<std::vector<int>> exchange_chunks(const LayerPlacement& p, int n);
+
 // Node of each rank (comm::Topology's node_of, as plain data so planners stay free of comm).
 // Node ids are 0..n_nodes()-1 (Topology numbers them so; a planner REQUIRES ids >= 0).
 struct Nodes {

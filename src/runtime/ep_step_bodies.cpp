@@ -56,18 +56,19 @@ Status EpStepBodies::run(Op& op) {
   MoeLayer* moe = l >= 0 ? model_.moe_layer(l) : nullptr;
   // Sizes only the gate knows, recorded on the op for the trace and the metrics.
   auto exchange_cost = [&](bool to_experts) {
-    op.cost.bytes = moe->ep_bytes_out(to_experts);
-    op.cost.peer_bytes = moe->ep_peer_bytes(to_experts);
+    op.cost.peer_bytes = moe->ep_peer_bytes(to_experts, op.micro, op.n_micro);
+    op.cost.bytes = 0;
+    for (int64_t b : op.cost.peer_bytes) op.cost.bytes += b;
   };
   auto sparse_cost = [&]() {
     op.cost.peer_bytes = moe->sparse_peer_bytes();
     op.cost.bytes = 0;
     for (int64_t b : op.cost.peer_bytes) op.cost.bytes += b;
   };
-  auto expert_flops = [&](double passes) {
+  auto expert_flops = [&](double passes, int64_t rows) {
     const MoeConfig& c = moe->config();
     const double mats = c.activation == Activation::swiglu ? 3 : 2;
-    op.cost.flops = passes * 2 * mats * static_cast<double>(moe->expert_rows()) * c.d_model * c.d_ffn;
+    op.cost.flops = passes * 2 * mats * static_cast<double>(rows) * c.d_model * c.d_ffn;
   };
   switch (op.kind) {
     case OpKind::embed_fwd: model_.embed_forward(); break;
@@ -76,14 +77,13 @@ Status EpStepBodies::run(Op& op) {
     case OpKind::gate_fwd: model_.moe_gate_forward(l); break;
     case OpKind::gate_sync: moe->ep_gate_sync(); break;
     case OpKind::dispatch_fwd: moe->ep_dispatch(); break;
-    case OpKind::dispatch_a2a:
+    case OpKind::dispatch_a2a:  // one chunk of n_micro (graph/step_builder.h)
       exchange_cost(true);
-      moe->ep_dispatch_a2a();
+      moe->ep_dispatch_a2a(op.micro, op.n_micro);
       break;
     case OpKind::expert_fwd:
-      expert_flops(1);
-      moe->ep_experts();
-      if (hooks_.rematerialize) moe->release_replicas(true);
+      expert_flops(1, moe->ep_experts(op.micro, op.n_micro));
+      if (hooks_.rematerialize && op.micro == op.n_micro - 1) moe->release_replicas(true);
       break;
     case OpKind::combine_a2a:
       exchange_cost(false);
@@ -98,7 +98,7 @@ Status EpStepBodies::run(Op& op) {
       moe->ep_combine_a2a_bwd();
       break;
     case OpKind::expert_bwd:
-      expert_flops(2);
+      expert_flops(2, moe->expert_rows());
       moe->ep_experts_bwd();
       break;
     case OpKind::dispatch_a2a_bwd:

@@ -37,6 +37,11 @@ void Strategy::configure(graph::EpStepOptions* opt) const {
   impl_->configure(opt);
 }
 
+graph::EpStep Strategy::build_step(const graph::EpStepOptions& opt) const {
+  if (opt.world == 1 || !impl_) return graph::build_ep_step(cfg_.model, opt);
+  return impl_->build_step(cfg_.model, opt);
+}
+
 void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather) {
   nodes_ = nodes;
   if (Status s = strategy::make(cfg_.strategy, setup(nodes), &impl_); !s)

@@ -32,6 +32,9 @@ class Strategy {
   Status ep_size(int world, int* out) const { return impl_->ep_size(cfg_.model, world, out); }
   // Sets the graph options of this strategy (gathers, rematerialization); none with one process.
   void configure(graph::EpStepOptions* opt) const;
+  // The step graph for opt (configured): the strategy's own with more than one rank (after attach),
+  // else graph::build_ep_step.
+  graph::EpStep build_step(const graph::EpStepOptions& opt) const;
   // After Model::set_expert_parallel: turns placements on in every MoE layer and sets the strategy up
   // for these ranks. nodes: node of each rank; gather: the gather lane's communicator over the ep group.
   // The model's MoE layers are kept for the calls below (REQUIRES: model outlives this object).

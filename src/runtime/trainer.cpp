@@ -313,7 +313,7 @@ Status TrainingRun::set_up() {
       if (Status s = ranks_.groups.ep->dup(ranks_.groups.ep->name() + "-gather", &ranks_.gather); !s) return s;
     strategy_.attach(*model_, nodes_, ranks_.gather.get());
   }
-  // The step as data (graph/ep_builder.h), what each op does here, and the runtime that runs it.
+  // The step as data (the strategy's graph), what each op does here, and the runtime that runs it.
   gopt_.world = ranks_.size;
   gopt_.ep_size = ep_size_;
   gopt_.batch = Bl_;
@@ -322,7 +322,7 @@ Status TrainingRun::set_up() {
   if (gopt_.padded_exchange)
     for (int64_t l = 0; l < model_->n_blocks(); ++l)
       if (MoeLayer* m = model_->moe_layer(l); m && m->expert_parallel()) m->set_padded_exchange(true);
-  step_graph_ = graph::build_ep_step(cfg_.model, gopt_);
+  step_graph_ = strategy_.build_step(gopt_);
   runtime::PlacementHooks hooks;
   hooks.place = [this](int64_t l) { return strategy_.place(l); };
   hooks.rematerialize = gopt_.rematerialize;

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "plan/placement.h"
+
 #include "util/str_cat.h"
 
 namespace moe::sim {
@@ -224,17 +226,23 @@ void fill_ep_costs(const ModelConfig& cfg, const graph::EpStepOptions& opt, cons
     if (opt.padded_exchange)
       for (int j = 0; j < G; ++j)
         for (int64_t e = 0; e < E; ++e) slots = std::max(slots, t[(group0 + j) * E + e]);
+    // A chunked dispatch and its experts (graph::StepBuilder::dispatch): chunk op.micro's experts only.
+    const std::vector<std::vector<int>> chunk =
+        op.n_micro > 1 && (op.kind == OpKind::dispatch_a2a || op.kind == OpKind::expert_fwd)
+            ? plan::exchange_chunks(plan::even_placement(static_cast<int>(E), G), op.n_micro)
+            : std::vector<std::vector<int>>{};
+    auto in_chunk = [&](int j, int64_t e) { return chunk.empty() || chunk[j][e] == op.micro; };
     // Rows this rank sends to ep rank j, and rows ep rank j sends here.
     auto sent = [&](int j) {
-      if (opt.padded_exchange) return El * slots;
       int64_t rows = 0;
-      for (int64_t e = j * El; e < (j + 1) * El; ++e) rows += t[rank * E + e];
+      for (int64_t e = j * El; e < (j + 1) * El; ++e)
+        if (in_chunk(j, e)) rows += opt.padded_exchange ? slots : t[rank * E + e];
       return rows;
     };
     auto received = [&](int j) {
-      if (opt.padded_exchange) return El * slots;
       int64_t rows = 0;
-      for (int64_t e = me * El; e < (me + 1) * El; ++e) rows += t[(group0 + j) * E + e];
+      for (int64_t e = me * El; e < (me + 1) * El; ++e)
+        if (in_chunk(me, e)) rows += opt.padded_exchange ? slots : t[(group0 + j) * E + e];
       return rows;
     };
     auto exchange = [&](bool to_experts) {

@@ -74,20 +74,21 @@ class Load {
   std::vector<std::vector<std::vector<int64_t>>> recorded_;  // [step][layer][e], global counts
 };
 
-// Writes into `g` (a graph of build_ep_step(cfg, opt) for rank `rank`) the sizes the runtime fills in
-// when the gate has run, from `load` (one step):
+// Writes into `g` (a graph of a strategy's step for opt, built from graph/step_builder.h's pieces,
+// for rank `rank`) the sizes the runtime fills in when the gate has run, from `load` (one step):
 //   dispatch_a2a, combine_a2a_bwd (to the experts): peer_bytes[j] = 4 * C * (rows rank sends to ep
 //     rank j: sum over j's experts of tokens[rank][e]), bytes = their sum (the self entry included,
-//     as MoeLayer::ep_bytes_out counts it);
+//     as EpStepBodies counts it);
 //   combine_a2a, dispatch_a2a_bwd (back): peer_bytes[j] = 4 * C * (rows ep rank j sent here);
 //   expert_fwd, expert_bwd: flops = passes * 2 * mats * rows * C * F (passes 1 / 2, mats 3 for
 //     SwiGLU else 2, rows = the rows this rank's experts receive), as EpStepBodies sets them; bytes
 //     scaled from the builder's balanced estimate by rows / (N * K) (the runtime leaves the estimate);
+//   a dispatch cut in chunks (n_micro > 1) and its expert_fwd chunks: the same sums over the experts
+//     of chunk `micro` only (plan::exchange_chunks);
 //   gate_sync: bytes = 8 * K * E, this rank's part of the counts allgather (the runtime leaves 0; its
 //     second collective, an allreduce of E + 2 doubles, is not modeled).
-// Not modeled, as the runtime does not record them either: the alltoall of E / ep_size counts per peer
-// before each dispatch. REQUIRES: load has one entry per MoE layer of R * E counts with R = opt.world;
-// no placement options (std::logic_error).
+// REQUIRES: load has one entry per MoE layer of R * E counts with R = opt.world; no placement
+// options (std::logic_error).
 void fill_ep_costs(const ModelConfig& cfg, const graph::EpStepOptions& opt, const StepLoad& load, int rank,
                    graph::StepGraph* g);
 

@@ -62,7 +62,7 @@ plan::LayerPlacement owned_only(const std::vector<int>& owner, int n_ranks) {
 // timed.
 class PlacementStrategy : public SimStrategy {
  public:
-  // step: build_ep_step(s.model, opt); attn_s: the mean attn_fwd time (what observe tells the strategy).
+  // step: the strategy's build_step(s.model, opt); attn_s: the mean attn_fwd time (what observe tells the strategy).
   PlacementStrategy(std::unique_ptr<strategy::Strategy> impl, const StrategySetup& s, const graph::EpStepOptions& opt,
                     graph::EpStep step, double attn_s)
       : impl_(std::move(impl)), setup_(s), opt_(opt), step_(std::move(step)), attn_s_(attn_s) {
@@ -173,14 +173,22 @@ void fill_placement_costs(const ModelConfig& cfg, const graph::EpStepOptions& op
   for (graph::Op& op : g->ops) {
     if (op.layer < 0 || moe_index[op.layer] < 0 || R == 1) continue;
     const LayerStepPlacement& l = layers[moe_index[op.layer]];
+    // A chunked dispatch and its experts (graph::StepBuilder::dispatch): chunk op.micro's experts only.
+    const std::vector<std::vector<int>> chunk =
+        op.n_micro > 1 && (op.kind == OpKind::dispatch_a2a || op.kind == OpKind::expert_fwd)
+            ? plan::exchange_chunks(l.placed, op.n_micro)
+            : std::vector<std::vector<int>>{};
+    auto in_chunk = [&](int d, int64_t e) { return chunk.empty() || chunk[d][e] == op.micro; };
     auto sent_to = [&](int d) {  // rows this rank sends to d
       int64_t n = 0;
-      for (int64_t e = 0; e < E; ++e) n += l.rows[rank][e][d];
+      for (int64_t e = 0; e < E; ++e)
+        if (in_chunk(d, e)) n += l.rows[rank][e][d];
       return n;
     };
     auto received_from = [&](int s) {  // rows s sends to this rank
       int64_t n = 0;
-      for (int64_t e = 0; e < E; ++e) n += l.rows[s][e][rank];
+      for (int64_t e = 0; e < E; ++e)
+        if (in_chunk(rank, e)) n += l.rows[s][e][rank];
       return n;
     };
     auto exchange = [&](bool to_experts) {
@@ -299,11 +307,11 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   probe->configure(&opt);
   // The cost model from the modeled cluster: the device's GEMM rate on the balanced expert_fwd op
   // (compute.h's efficiency curve) and the mean attn_fwd time (the trainer's t measures it).
-  graph::EpStep step = graph::build_ep_step(s.model, opt);
+  graph::EpStep step = probe->build_step(s.model, opt);
   double balanced_flops = 0, attn_s = 0;
   int n_attn = 0;
   for (const graph::Op& op : step.graph.ops) {
-    if (op.kind == OpKind::expert_fwd) balanced_flops = op.cost.flops;
+    if (op.kind == OpKind::expert_fwd) balanced_flops = op.cost.flops * op.n_micro;  // the whole layer
     if (op.kind == OpKind::attn_fwd) {
       attn_s += op_time(s.device, op.cost.flops, static_cast<double>(op.cost.bytes),
                         kind_speed(s.device, graph::op_kind_name(op.kind)));

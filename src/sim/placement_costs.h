@@ -62,8 +62,9 @@ LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpS
                                         plan::LayerPlacement placed, const plan::Nodes& nodes,
                                         const std::vector<std::vector<int64_t>>& counts);
 
-// Writes into `g` (a graph of build_ep_step(cfg, opt) for rank `rank`, opt with placement options and
-// ep_size == world) the sizes the runtime records, from layers[i] for MoE layer i:
+// Writes into `g` (a graph of a strategy's step for opt for rank `rank`, opt with ep_size == world)
+// the sizes the runtime records, from layers[i] for MoE layer i (a chunked dispatch and its
+// expert_fwd chunks as in fill_ep_costs, the chunks over the placement `placed`):
 //   dispatch_a2a, combine_a2a_bwd: peer_bytes[d] = 4 C sum_e rows[rank][e][d] (self included), bytes their sum;
 //   combine_a2a, dispatch_a2a_bwd: peer_bytes[s] = 4 C sum_e rows[s][e][rank];
 //   expert_fwd / expert_bwd: flops = passes * 2 * mats * (rows received) * C * F, bytes the builder's

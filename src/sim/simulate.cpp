@@ -25,8 +25,12 @@ class EpStrategy : public SimStrategy {
     opt_.batch = s.batch_per_rank;
     opt_.allreduce_micro_bytes = s.allreduce_micro_bytes;
     std::unique_ptr<strategy::Strategy> impl;
-    if (opt_.world > 1 && strategy::make(name, strategy::Setup{}, &impl)) impl->configure(&opt_);
-    step_ = graph::build_ep_step(s.model, opt_);
+    if (opt_.world > 1 && strategy::make(name, strategy::Setup{}, &impl)) {
+      impl->configure(&opt_);
+      step_ = impl->build_step(s.model, opt_);
+    } else {
+      step_ = graph::build_ep_step(s.model, opt_);
+    }
   }
   void step_graphs(const StepLoad& load, std::vector<graph::StepGraph>* out) override {
     out->assign(setup_.ranks, step_.graph);
@@ -164,7 +168,6 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
     std::vector<int> moe_block;
     for (int64_t b = 0; b < cfg.model.n_layers; ++b)
       if (cfg.model.is_moe_layer(b)) moe_block.push_back(static_cast<int>(b));
-    int expert_fwd_op = -1;
     for (size_t i = 0; i < l.size(); ++i) {
       const std::vector<int64_t>& t = l[i];
       std::vector<int64_t> per_expert(E, 0), per_rank_rows(R, 0);
@@ -174,12 +177,17 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
           // The replica of expert e in r's ep group runs on that group's rank e / El.
           per_rank_rows[r / G * G + e / El] += t[r * E + e];
         }
-      expert_fwd_op = -1;
-      for (const graph::Op& op : graphs[0].ops)
-        if (op.kind == graph::OpKind::expert_fwd && op.layer == moe_block[i]) expert_fwd_op = op.id;
-      if (expert_fwd_op >= 0)
-        for (int r = 0; r < R; ++r)
-          per_rank_rows[r] = std::llround(graphs[r].ops[expert_fwd_op].cost.flops / row_flops);
+      // The rows each rank's experts ran: its expert_fwd ops of this layer (one per dispatch chunk).
+      bool expert_parallel = false;
+      for (int r = 0; r < R; ++r) {
+        double flops = 0;
+        for (const graph::Op& op : graphs[r].ops)
+          if (op.kind == graph::OpKind::expert_fwd && op.layer == moe_block[i]) {
+            flops += op.cost.flops;
+            expert_parallel = true;
+          }
+        if (expert_parallel) per_rank_rows[r] = std::llround(flops / row_flops);
+      }
       sum.tokens_per_expert.push_back(std::move(per_expert));
       sum.tokens_per_rank.push_back(std::move(per_rank_rows));
     }

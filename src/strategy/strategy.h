@@ -98,6 +98,12 @@ class Strategy {
   virtual Status ep_size(const ModelConfig& model, int world, int* out) const;
   // Sets this strategy's graph options (gathers before / after the gate, re-materialization).
   virtual void configure(graph::EpStepOptions* opt) const { (void)opt; }
+  // The graph of one step for one rank with more than one rank, from the options configure() set:
+  // the trainer runs it, the simulator predicts it. Default: graph::build_ep_step, the standard
+  // composition; a strategy with another step shape assembles graph/step_builder.h's pieces itself.
+  virtual graph::EpStep build_step(const ModelConfig& model, const graph::EpStepOptions& opt) const {
+    return graph::build_ep_step(model, opt);
+  }
 
   // Before a step, MoE layer `layer` (0-based among MoE layers) whose shards live at `owners`: the
   // placement to gather before the gate, or nothing when this strategy plans none (the layer then
