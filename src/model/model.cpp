@@ -295,9 +295,9 @@ void Model::ffn_forward(int64_t l) {
 
 void Model::moe_gate_forward(int64_t l) { blocks_.at(l)->moe->ep_gate(blocks_[l]->ln2.data(), B_ * T_); }
 
-void Model::moe_combine_forward(int64_t l) {
+void Model::moe_combine_forward(int64_t l, const TokenExchange& ex) {
   Block& b = *blocks_.at(l);
-  b.moe->ep_combine(tmp_.data());
+  b.moe->ep_combine(ex, tmp_.data());
   add_to(b.out.data(), b.resid_mid.data(), tmp_.data(), B_ * T_ * cfg_.d_model);
 }
 
@@ -357,12 +357,12 @@ void Model::ffn_backward(int64_t l) {
   linear_backward(dln_.data(), b.mlp_w1->grad.data(), dh1_.data(), b.ln2.data(), b.mlp_w1->value.data(), N, C, F);
 }
 
-void Model::moe_combine_backward(int64_t l) {
+void Model::moe_combine_backward(int64_t l, const TokenExchange& ex) {
   zero_n(dln_, B_ * T_ * cfg_.d_model);
-  blocks_.at(l)->moe->ep_combine_bwd(dres_.data());
+  blocks_.at(l)->moe->ep_combine_bwd(ex, dres_.data());
 }
 
-void Model::moe_gate_backward(int64_t l) { blocks_.at(l)->moe->ep_gate_bwd(dln_.data()); }
+void Model::moe_gate_backward(int64_t l, const TokenExchange& ex) { blocks_.at(l)->moe->ep_gate_bwd(ex, dln_.data()); }
 
 void Model::attn_backward(int64_t l) {
   Block& b = *blocks_.at(l);

@@ -85,23 +85,24 @@ class Model {
   std::vector<LayerLoad> load_stats() const;
 
   // The phases of forward() and backward(), for the runtime (one StepGraph op each, see
-  // src/graph/ep_builder.h). forward() is begin_step, embed_forward, for each block l attn_forward(l)
+  // src/graph/step_builder.h). forward() is begin_step, embed_forward, for each block l attn_forward(l)
   // then ffn_forward(l), and head_forward; backward() is head_backward, for each block from the last
   // ffn_backward(l) then attn_backward(l), and embed_backward. An expert-parallel MoE block may
-  // instead run moe_gate_forward(l), the MoE layer's ep_* phases, moe_combine_forward(l) (and
-  // moe_combine_backward(l), ep_* phases, moe_gate_backward(l) in backward). Phases share scratch
+  // instead run moe_gate_forward(l), the MoE layer's ep_* phases, moe_combine_forward(l, ex) (and
+  // moe_combine_backward(l, ex), ep_* phases, moe_gate_backward(l, ex) in backward), ex the step's
+  // TokenExchange of that layer (MoeLayer::ep_dispatch planned it). Phases share scratch
   // buffers, so they run one at a time, in that order. REQUIRES as forward()/backward().
   void begin_step(const int32_t* tokens, const int32_t* targets, int64_t B, int64_t T = 0);
   void embed_forward();
   void attn_forward(int64_t l);
   void ffn_forward(int64_t l);
   void moe_gate_forward(int64_t l);
-  void moe_combine_forward(int64_t l);
+  void moe_combine_forward(int64_t l, const TokenExchange& ex);
   double head_forward();  // the mean cross-entropy (NaN without targets)
   void head_backward();
   void ffn_backward(int64_t l);
-  void moe_combine_backward(int64_t l);
-  void moe_gate_backward(int64_t l);
+  void moe_combine_backward(int64_t l, const TokenExchange& ex);
+  void moe_gate_backward(int64_t l, const TokenExchange& ex);
   void attn_backward(int64_t l);
   void embed_backward();
   // Parameters by where backward finishes their gradients: block l's (after attn_backward(l), its

@@ -173,15 +173,6 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
   all_counts_.assign(batch->size() * K * E, 0);
   stats_.assign(E + 2, 0.0);
   prior_.assign(E * K, 0);
-  send_counts_.assign(P, 0);
-  send_displs_.assign(P, 0);
-  recv_counts_.assign(P, 0);
-  recv_displs_.assign(P, 0);
-  perm_.reserve(rows);
-  inv_perm_.reserve(rows);
-  send_perm_.reserve(max_tokens_ * K);
-  inv_send_perm_.reserve(max_tokens_ * K);
-  local_offset_.reserve(E + 1);
   for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
   for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
   if (cfg_.activation == Activation::swiglu)
@@ -194,20 +185,20 @@ void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
   placement_ = held_;
   ep_gate(x, N);
   ep_gate_sync();
-  ep_dispatch();
-  ep_dispatch_a2a();
-  ep_experts();
-  ep_combine_a2a();
-  ep_combine(y);
+  ep_dispatch(&own_exchange_);
+  ep_dispatch_a2a(own_exchange_);
+  ep_experts(&own_exchange_);
+  ep_combine_a2a(own_exchange_);
+  ep_combine(own_exchange_, y);
 }
 
 void MoeLayer::backward_ep(float* dx, const float* dy) {
-  ep_combine_bwd(dy);
-  ep_combine_a2a_bwd();
-  ep_experts_bwd();
+  ep_combine_bwd(own_exchange_, dy);
+  ep_combine_a2a_bwd(own_exchange_);
+  ep_experts_bwd(own_exchange_);
   ep_reduce_replica_grads();
-  ep_dispatch_a2a_bwd();
-  ep_gate_bwd(dx);
+  ep_dispatch_a2a_bwd(own_exchange_);
+  ep_gate_bwd(own_exchange_, dx);
 }
 
 void MoeLayer::ep_gate(const float* x, int64_t N) {
@@ -232,7 +223,7 @@ void MoeLayer::ep_gate_sync() {
   throw_if_error(batch_->allreduce(stats_.data(), E + 2));
 }
 
-void MoeLayer::ep_dispatch() {
+void MoeLayer::ep_dispatch(TokenExchange* ex) {
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k, R = batch_->size(), me = batch_->rank();
   const int64_t Ng = static_cast<int64_t>(stats_[E + 1]);
   loss_tokens_ = Ng;
@@ -259,8 +250,9 @@ void MoeLayer::ep_dispatch() {
   z_loss_ = Ng ? static_cast<float>(stats_[E] / Ng) : 0.0f;
   layout_build(routing_, expert_capacity(cfg_.capacity_factor, Ng, K, E), layout_scratch_.data(), prior_.data());
   dispatch_forward(xp_.data(), x_, routing_, C);
-  plan_exchange();
-  if (!send_in_place_) to_send_order(xs_.data(), xp_.data());
+  plan_exchange(ex);
+  expert_rows_ = ex->received_rows;
+  if (!ex->send_in_place) to_send_order(*ex, xs_.data(), xp_.data());
 }
 
 void MoeLayer::set_padded_exchange(bool on) {
@@ -269,11 +261,11 @@ void MoeLayer::set_padded_exchange(bool on) {
   padded_ = on;
 }
 
-void MoeLayer::to_send_order(float* dst, const float* src) {
+void MoeLayer::to_send_order(const TokenExchange& ex, float* dst, const float* src) {
   const int64_t C = cfg_.d_model, n = routing_.rows();
-  if (!padded_) return gather_rows(dst, src, send_perm_.data(), n, C);
-  std::fill(dst, dst + send_rows_ * C, 0.0f);
-  for (int64_t i = 0; i < n; ++i) std::copy(src + i * C, src + (i + 1) * C, dst + inv_send_perm_[i] * C);
+  if (!ex.padded) return gather_rows(dst, src, ex.send_perm.data(), n, C);
+  std::fill(dst, dst + ex.send_rows * C, 0.0f);
+  for (int64_t i = 0; i < n; ++i) std::copy(src + i * C, src + (i + 1) * C, dst + ex.inv_send_perm[i] * C);
 }
 
 void MoeLayer::grow_exchange_buffers(int64_t received_rows, int64_t sent_rows) {
@@ -287,39 +279,49 @@ void MoeLayer::grow_exchange_buffers(int64_t received_rows, int64_t sent_rows) {
   if (static_cast<int64_t>(xs_.numel()) < sent_rows * C) xs_.resize({sent_rows, C});
 }
 
-// Every rank sends each expert of the ep group slots_ rows (its kept rows first, then zeros), experts
-// of one destination ascending; each rank receives slots_ rows per held expert from every source.
-void MoeLayer::plan_padded_exchange(const std::vector<std::vector<int64_t>>& kept) {
+// Every rank sends each expert of the ep group ex->slots rows (its kept rows first, then zeros),
+// experts of one destination ascending; each rank receives that many rows per held expert from every
+// source.
+void MoeLayer::plan_padded_exchange(TokenExchange* ex, const std::vector<std::vector<int64_t>>& kept) {
   const int64_t C = cfg_.d_model, P = ep_->size();
-  slots_ = 0;
+  ex->padded = true;
+  ex->slots = 0;
   for (const std::vector<int64_t>& row : kept)
-    for (int64_t k : row) slots_ = std::max(slots_, k);
+    for (int64_t k : row) ex->slots = std::max(ex->slots, k);
   const int64_t n = routing_.rows();
-  inv_send_perm_.resize(n);
+  ex->inv_send_perm.resize(n);
   int64_t pos = 0;
   for (int64_t d = 0; d < P; ++d) {
     const int64_t first = pos;
     for (int e : owners_.experts_owned_by(static_cast<int>(d))) {
       for (int64_t j = 0; j < kept[ep_->rank()][e]; ++j)
-        inv_send_perm_[routing_.expert_offset[e] + j] = static_cast<int32_t>(pos + j);
-      pos += slots_;
+        ex->inv_send_perm[routing_.expert_offset[e] + j] = static_cast<int32_t>(pos + j);
+      pos += ex->slots;
     }
-    send_counts_[d] = (pos - first) * C;
-    send_displs_[d] = first * C;
+    ex->send_counts[d] = (pos - first) * C;
+    ex->send_displs[d] = first * C;
   }
-  send_rows_ = pos;
-  send_in_place_ = false;
-  const int64_t per_source = static_cast<int64_t>(owned_.size()) * slots_;
+  ex->send_rows = pos;
+  ex->send_in_place = false;
+  const int64_t per_source = static_cast<int64_t>(owned_.size()) * ex->slots;
   for (int64_t s = 0; s < P; ++s) {
-    recv_counts_[s] = per_source * C;
-    recv_displs_[s] = s * per_source * C;
+    ex->recv_counts[s] = per_source * C;
+    ex->recv_displs[s] = s * per_source * C;
   }
-  expert_rows_ = P * per_source;
-  grow_exchange_buffers(expert_rows_, send_rows_);
+  ex->received_rows = P * per_source;
+  grow_exchange_buffers(ex->received_rows, ex->send_rows);
 }
 
-void MoeLayer::plan_exchange() {
+void MoeLayer::plan_exchange(TokenExchange* ex) {
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), me = ep_->rank();
+  ex->rank = static_cast<int>(me);
+  ex->ranks = static_cast<int>(P);
+  ex->row_floats = C;
+  ex->placement = placement_;
+  ex->padded = false;
+  ex->slots = 0;
+  ex->send_counts.assign(P, 0), ex->send_displs.assign(P, 0), ex->recv_counts.assign(P, 0), ex->recv_displs.assign(P, 0);
+  ex->held_order.clear(), ex->local_offset.clear(), ex->perm.clear(), ex->inv_perm.clear();
   // Kept rows of every ep rank per expert (routed_counts is per batch rank).
   const std::vector<std::vector<int64_t>> kept_by_batch_rank = routed_counts();
   std::vector<std::vector<int64_t>> kept(P);
@@ -328,226 +330,189 @@ void MoeLayer::plan_exchange() {
     if (kept[me][e] != routing_.tokens_per_expert[e])
       throw std::logic_error(str_cat("MoeLayer: rank ", me, " keeps ", routing_.tokens_per_expert[e],
                                      " rows of expert ", e, ", the synced counts say ", kept[me][e]));
-  if (padded_) return plan_padded_exchange(kept);
-  rows_ = plan::dispatch_plan(placement_, nodes_, kept);
+  if (padded_) return plan_padded_exchange(ex, kept);
+  ex->rows = plan::dispatch_plan(placement_, nodes_, kept);
+  const auto& rows = ex->rows;
   // My rows destination-major: experts ascending within a destination, expert e's rows split over its
   // destinations in ascending rank order.
   const int64_t n = routing_.rows();
-  send_perm_.resize(n);
-  inv_send_perm_.resize(n);
-  send_in_place_ = true;
-  send_rows_ = n;
+  ex->send_perm.resize(n);
+  ex->inv_send_perm.resize(n);
+  ex->send_in_place = true;
+  ex->send_rows = n;
   int64_t i = 0;
   for (int64_t d = 0; d < P; ++d) {
     const int64_t first = i;
     for (int64_t e = 0; e < E; ++e) {
       int64_t pos = routing_.expert_offset[e];
-      for (int64_t d2 = 0; d2 < d; ++d2) pos += rows_[me][e][d2];
-      for (int64_t j = 0; j < rows_[me][e][d]; ++j, ++i) {
-        send_perm_[i] = static_cast<int32_t>(pos + j);
-        inv_send_perm_[pos + j] = static_cast<int32_t>(i);
-        send_in_place_ = send_in_place_ && pos + j == i;
+      for (int64_t d2 = 0; d2 < d; ++d2) pos += rows[me][e][d2];
+      for (int64_t j = 0; j < rows[me][e][d]; ++j, ++i) {
+        ex->send_perm[i] = static_cast<int32_t>(pos + j);
+        ex->inv_send_perm[pos + j] = static_cast<int32_t>(i);
+        ex->send_in_place = ex->send_in_place && pos + j == i;
       }
     }
-    send_counts_[d] = (i - first) * C;
-    send_displs_[d] = first * C;
+    ex->send_counts[d] = (i - first) * C;
+    ex->send_displs[d] = first * C;
   }
   if (i != n) throw std::logic_error("MoeLayer: the dispatch plan does not cover this rank's rows");
-  if (!send_in_place_) grow_exchange_buffers(0, n);
+  if (!ex->send_in_place) grow_exchange_buffers(0, n);
   int64_t recv_rows = 0;
   for (int64_t s = 0; s < P; ++s) {
     int64_t from_s = 0;
-    for (int64_t e = 0; e < E; ++e) from_s += rows_[s][e][me];
-    recv_counts_[s] = from_s * C;
-    recv_displs_[s] = recv_rows * C;
+    for (int64_t e = 0; e < E; ++e) from_s += rows[s][e][me];
+    ex->recv_counts[s] = from_s * C;
+    ex->recv_displs[s] = recv_rows * C;
     recv_rows += from_s;
   }
-  expert_rows_ = recv_rows;
+  ex->received_rows = recv_rows;
 }
 
-void MoeLayer::ep_dispatch_a2a() {
-  const float* send = send_in_place_ ? xp_.data() : xs_.data();
-  throw_if_error(ep_->alltoallv(send, send_counts_, send_displs_, xr_.data(), recv_counts_, recv_displs_));
+void MoeLayer::ep_dispatch_a2a(const TokenExchange& ex) {
+  const float* send = ex.send_in_place ? xp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(send, ex.send_counts, ex.send_displs, xr_.data(), ex.recv_counts, ex.recv_displs));
 }
 
-int64_t MoeLayer::exchange_rows(int64_t s, int64_t e, int64_t d) const {
-  if (padded_) return owners_.owner[e] == d ? slots_ : 0;
-  return rows_[s][e][d];
-}
-
-// Rows leave destination-major with experts ascending, and arrive source-major with experts
-// ascending, so a chunk's rows are one contiguous run inside every destination's (source's) block.
-void MoeLayer::chunk_counts(int c, int n, std::vector<int64_t>* send_counts, std::vector<int64_t>* send_displs,
-                            std::vector<int64_t>* recv_counts, std::vector<int64_t>* recv_displs) const {
-  const int64_t C = cfg_.d_model, E = cfg_.n_experts, P = ep_->size(), me = ep_->rank();
-  if (c < 0 || c >= n) throw std::logic_error(str_cat("MoeLayer: chunk ", c, " of ", n));
-  const std::vector<std::vector<int>> chunk = plan::exchange_chunks(placement_, n);
-  send_counts->assign(P, 0), send_displs->assign(P, 0), recv_counts->assign(P, 0), recv_displs->assign(P, 0);
-  for (int64_t p = 0; p < P; ++p) {
-    int64_t send_before = 0, send = 0, recv_before = 0, recv = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t out = exchange_rows(me, e, p), in = exchange_rows(p, e, me);
-      if (chunk[p][e] < c) send_before += out;
-      if (chunk[p][e] == c) send += out;
-      if (chunk[me][e] < c) recv_before += in;
-      if (chunk[me][e] == c) recv += in;
-    }
-    (*send_counts)[p] = send * C, (*send_displs)[p] = send_displs_[p] + send_before * C;
-    (*recv_counts)[p] = recv * C, (*recv_displs)[p] = recv_displs_[p] + recv_before * C;
-  }
-}
-
-void MoeLayer::ep_dispatch_a2a(int chunk, int n_chunks) {
-  if (n_chunks == 1) return ep_dispatch_a2a();
+void MoeLayer::ep_dispatch_a2a(const TokenExchange& ex, int chunk, int n_chunks) {
+  if (n_chunks == 1) return ep_dispatch_a2a(ex);
   std::vector<int64_t> sc, sd, rc, rd;
-  chunk_counts(chunk, n_chunks, &sc, &sd, &rc, &rd);
-  const float* send = send_in_place_ ? xp_.data() : xs_.data();
+  ex.chunk_counts(chunk, n_chunks, &sc, &sd, &rc, &rd);
+  const float* send = ex.send_in_place ? xp_.data() : xs_.data();
   throw_if_error(ep_->alltoallv(send, sc, sd, xr_.data(), rc, rd));
 }
 
-int64_t MoeLayer::ep_experts(int chunk, int n_chunks) {
+void MoeLayer::order_received_rows(TokenExchange* ex) {
+  const int64_t C = cfg_.d_model, P = ep_->size(), me = ep_->rank(), rows = ex->received_rows;
+  // Held experts in compute order: owned ascending, then the replica slots in gather order.
+  ex->held_order.assign(owned_.begin(), owned_.end());
+  ex->held_order.insert(ex->held_order.end(), replica_expert_.begin(), replica_expert_.end());
+  const int64_t H = static_cast<int64_t>(ex->held_order.size());
+  ex->perm.resize(rows);
+  ex->inv_perm.resize(rows);
+  ex->local_offset.assign(H + 1, 0);
+  int64_t i = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    const int e = ex->held_order[h];
+    ex->local_offset[h] = i;
+    for (int64_t s = 0; s < P; ++s) {
+      int64_t src = ex->recv_displs[s] / C;
+      if (ex->padded) {  // slots rows per held expert from each source, padding included
+        src += h * ex->slots;
+        for (int64_t j = 0; j < ex->slots; ++j, ++i) {
+          ex->perm[i] = static_cast<int32_t>(src + j);
+          ex->inv_perm[src + j] = static_cast<int32_t>(i);
+        }
+        continue;
+      }
+      for (int e2 = 0; e2 < e; ++e2) src += ex->rows[s][e2][me];
+      for (int64_t j = 0; j < ex->rows[s][e][me]; ++j, ++i) {
+        ex->perm[i] = static_cast<int32_t>(src + j);
+        ex->inv_perm[src + j] = static_cast<int32_t>(i);
+      }
+    }
+  }
+  ex->local_offset[H] = i;
+  if (i != rows) throw std::logic_error(str_cat("MoeLayer: rank ", me, " received rows of experts it does not hold"));
+}
+
+void MoeLayer::ep_experts(TokenExchange* ex) {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, rows = ex->received_rows;
+  order_received_rows(ex);
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(ex->held_order.size());
+  gather_rows(xe_.data(), xr_.data(), ex->perm.data(), rows, C);
+  const bool swiglu = cfg_.activation == Activation::swiglu;
+  experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
+                  ex->local_offset.data(), w1_.value.data(), w2_.value.data(), swiglu ? w3_.value.data() : nullptr,
+                  ExpertShape{El, C, F, cfg_.activation});
+  if (H > El)  // the replicas, from their slots
+    experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
+                    ex->local_offset.data() + El, rw1_.data(), rw2_.data(), swiglu ? rw3_.data() : nullptr,
+                    ExpertShape{H - El, C, F, cfg_.activation});
+  gather_rows(yr_.data(), ye_.data(), ex->inv_perm.data(), rows, C);
+}
+
+int64_t MoeLayer::ep_experts(TokenExchange* ex, int chunk, int n_chunks) {
   if (n_chunks == 1) {
-    ep_experts();
-    return expert_rows_;
+    ep_experts(ex);
+    return ex->received_rows;
   }
   if (chunk < 0 || chunk >= n_chunks) throw std::logic_error(str_cat("MoeLayer::ep_experts: chunk ", chunk, " of ", n_chunks));
-  if (chunk == 0) order_received_rows();
+  if (chunk == 0) order_received_rows(ex);
   const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
-  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(held_order_.size());
-  const std::vector<int> chunk_of = plan::exchange_chunks(placement_, n_chunks)[ep_->rank()];
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(ex->held_order.size());
+  const std::vector<int> chunk_of = plan::exchange_chunks(ex->placement, n_chunks)[ep_->rank()];
   const bool swiglu = cfg_.activation == Activation::swiglu;
   int64_t rows = 0;
   for (int64_t h = 0; h < H; ++h) {
-    if (chunk_of[held_order_[h]] != chunk) continue;
-    const int64_t lo = local_offset_[h], hi = local_offset_[h + 1];
-    gather_rows(xe_.data() + lo * C, xr_.data(), perm_.data() + lo, hi - lo, C);
+    if (chunk_of[ex->held_order[h]] != chunk) continue;
+    const int64_t lo = ex->local_offset[h], hi = ex->local_offset[h + 1];
+    gather_rows(xe_.data() + lo * C, xr_.data(), ex->perm.data() + lo, hi - lo, C);
     // One expert: owned ones are rows h of w1_, w2_, w3_; replicas slot h - El of rw1_, rw2_, rw3_.
     const int64_t slot = h < El ? h : h - El;
     const float* w1 = (h < El ? w1_.value.data() : rw1_.data()) + slot * F * C;
     const float* w2 = (h < El ? w2_.value.data() : rw2_.data()) + slot * C * F;
     const float* w3 = swiglu ? (h < El ? w3_.value.data() : rw3_.data()) + slot * F * C : nullptr;
     experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
-                    local_offset_.data() + h, w1, w2, w3, ExpertShape{1, C, F, cfg_.activation});
+                    ex->local_offset.data() + h, w1, w2, w3, ExpertShape{1, C, F, cfg_.activation});
     for (int64_t i = lo; i < hi; ++i)
-      std::copy(ye_.data() + i * C, ye_.data() + (i + 1) * C, yr_.data() + static_cast<int64_t>(perm_[i]) * C);
+      std::copy(ye_.data() + i * C, ye_.data() + (i + 1) * C, yr_.data() + static_cast<int64_t>(ex->perm[i]) * C);
     rows += hi - lo;
   }
   return rows;
 }
 
-void MoeLayer::order_received_rows() {
-  const int64_t C = cfg_.d_model, P = ep_->size(), me = ep_->rank(), rows = expert_rows_;
-  // Held experts in compute order: owned ascending, then the replica slots in gather order.
-  held_order_.assign(owned_.begin(), owned_.end());
-  held_order_.insert(held_order_.end(), replica_expert_.begin(), replica_expert_.end());
-  const int64_t H = static_cast<int64_t>(held_order_.size());
-  perm_.resize(rows);
-  inv_perm_.resize(rows);
-  local_offset_.assign(H + 1, 0);
-  int64_t i = 0;
-  for (int64_t h = 0; h < H; ++h) {
-    const int e = held_order_[h];
-    local_offset_[h] = i;
-    for (int64_t s = 0; s < P; ++s) {
-      int64_t src = recv_displs_[s] / C;
-      if (padded_) {  // slots_ rows per held expert from each source, padding included
-        src += h * slots_;
-        for (int64_t j = 0; j < slots_; ++j, ++i) {
-          perm_[i] = static_cast<int32_t>(src + j);
-          inv_perm_[src + j] = static_cast<int32_t>(i);
-        }
-        continue;
-      }
-      for (int e2 = 0; e2 < e; ++e2) src += rows_[s][e2][me];
-      for (int64_t j = 0; j < rows_[s][e][me]; ++j, ++i) {
-        perm_[i] = static_cast<int32_t>(src + j);
-        inv_perm_[src + j] = static_cast<int32_t>(i);
-      }
-    }
-  }
-  local_offset_[H] = i;
-  if (i != rows) throw std::logic_error(str_cat("MoeLayer: rank ", me, " received rows of experts it does not hold"));
+void MoeLayer::ep_combine_a2a(const TokenExchange& ex) {
+  float* recv = ex.send_in_place ? outp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(yr_.data(), ex.recv_counts, ex.recv_displs, recv, ex.send_counts, ex.send_displs));
 }
 
-void MoeLayer::ep_experts() {
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, rows = expert_rows_;
-  order_received_rows();
-  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(held_order_.size());
-  gather_rows(xe_.data(), xr_.data(), perm_.data(), rows, C);
-  const bool swiglu = cfg_.activation == Activation::swiglu;
-  experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
-                  local_offset_.data(), w1_.value.data(), w2_.value.data(), swiglu ? w3_.value.data() : nullptr,
-                  ExpertShape{El, C, F, cfg_.activation});
-  if (H > El)  // the replicas, from their slots
-    experts_forward(ye_.data(), h1_.data(), swiglu ? h3_.data() : nullptr, act_.data(), xe_.data(),
-                    local_offset_.data() + El, rw1_.data(), rw2_.data(), swiglu ? rw3_.data() : nullptr,
-                    ExpertShape{H - El, C, F, cfg_.activation});
-  gather_rows(yr_.data(), ye_.data(), inv_perm_.data(), rows, C);
-}
-
-void MoeLayer::ep_combine_a2a() {
-  float* recv = send_in_place_ ? outp_.data() : xs_.data();
-  throw_if_error(ep_->alltoallv(yr_.data(), recv_counts_, recv_displs_, recv, send_counts_, send_displs_));
-}
-
-void MoeLayer::ep_combine(float* y) {
+void MoeLayer::ep_combine(const TokenExchange& ex, float* y) {
   const int64_t C = cfg_.d_model;
-  if (!send_in_place_) gather_rows(outp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), C);
+  if (!ex.send_in_place) gather_rows(outp_.data(), xs_.data(), ex.inv_send_perm.data(), routing_.rows(), C);
   combine_forward(y, row_weight_.data(), outp_.data(), routing_, C);
 }
 
-void MoeLayer::ep_combine_bwd(const float* dy) {
+void MoeLayer::ep_combine_bwd(const TokenExchange& ex, const float* dy) {
   if (!x_) throw std::logic_error("MoeLayer::ep_combine_bwd: REQUIRES forward first");
   const int64_t C = cfg_.d_model;
   combine_backward(dout_p_.data(), dgate_.data(), dy, outp_.data(), routing_, C);
-  if (!send_in_place_) to_send_order(xs_.data(), dout_p_.data());
+  if (!ex.send_in_place) to_send_order(ex, xs_.data(), dout_p_.data());
 }
 
-void MoeLayer::ep_combine_a2a_bwd() {
-  const float* send = send_in_place_ ? dout_p_.data() : xs_.data();
-  throw_if_error(ep_->alltoallv(send, send_counts_, send_displs_, dr_.data(), recv_counts_, recv_displs_));
+void MoeLayer::ep_combine_a2a_bwd(const TokenExchange& ex) {
+  const float* send = ex.send_in_place ? dout_p_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(send, ex.send_counts, ex.send_displs, dr_.data(), ex.recv_counts, ex.recv_displs));
 }
 
-void MoeLayer::ep_experts_bwd() {
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, rows = expert_rows_;
-  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(held_order_.size());
+void MoeLayer::ep_experts_bwd(const TokenExchange& ex) {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, rows = ex.received_rows;
+  const int64_t El = static_cast<int64_t>(owned_.size()), H = static_cast<int64_t>(ex.held_order.size());
   const bool swiglu = cfg_.activation == Activation::swiglu;
-  gather_rows(de_.data(), dr_.data(), perm_.data(), rows, C);
+  gather_rows(de_.data(), dr_.data(), ex.perm.data(), rows, C);
   experts_backward(dxe_.data(), w1_.grad.data(), w2_.grad.data(), swiglu ? w3_.grad.data() : nullptr, dact_.data(),
                    dh_.data(), swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
-                   swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data(), w1_.value.data(),
+                   swiglu ? h3_.data() : nullptr, act_.data(), ex.local_offset.data(), w1_.value.data(),
                    w2_.value.data(), swiglu ? w3_.value.data() : nullptr, ExpertShape{El, C, F, cfg_.activation});
   if (H > El)  // the replicas' gradients go to their slots (ep_reduce_replica_grads sends them home)
     experts_backward(dxe_.data(), rg1_.data(), rg2_.data(), swiglu ? rg3_.data() : nullptr, dact_.data(), dh_.data(),
                      swiglu ? dh3_.data() : nullptr, de_.data(), xe_.data(), h1_.data(),
-                     swiglu ? h3_.data() : nullptr, act_.data(), local_offset_.data() + El, rw1_.data(),
+                     swiglu ? h3_.data() : nullptr, act_.data(), ex.local_offset.data() + El, rw1_.data(),
                      rw2_.data(), swiglu ? rw3_.data() : nullptr, ExpertShape{H - El, C, F, cfg_.activation});
-  gather_rows(dxr_.data(), dxe_.data(), inv_perm_.data(), rows, C);
+  gather_rows(dxr_.data(), dxe_.data(), ex.inv_perm.data(), rows, C);
 }
 
-void MoeLayer::ep_dispatch_a2a_bwd() {
-  float* recv = send_in_place_ ? dxp_.data() : xs_.data();
-  throw_if_error(ep_->alltoallv(dxr_.data(), recv_counts_, recv_displs_, recv, send_counts_, send_displs_));
+void MoeLayer::ep_dispatch_a2a_bwd(const TokenExchange& ex) {
+  float* recv = ex.send_in_place ? dxp_.data() : xs_.data();
+  throw_if_error(ep_->alltoallv(dxr_.data(), ex.recv_counts, ex.recv_displs, recv, ex.send_counts, ex.send_displs));
 }
 
-void MoeLayer::ep_gate_bwd(float* dx) {
+void MoeLayer::ep_gate_bwd(const TokenExchange& ex, float* dx) {
   const int64_t N = n_, C = cfg_.d_model, E = cfg_.n_experts;
-  if (!send_in_place_) gather_rows(dxp_.data(), xs_.data(), inv_send_perm_.data(), routing_.rows(), C);
+  if (!ex.send_in_place) gather_rows(dxp_.data(), xs_.data(), ex.inv_send_perm.data(), routing_.rows(), C);
   dispatch_backward(dx, dxp_.data(), routing_, C);
   router_backward(dx, router_.grad.data(), dprobs_.data(), dlogits_.data(), dgate_.data(), routing_, probs_.data(),
                   lse_.data(), load_frac_.data(), x_, router_.value.data(), N, C, E, cfg_.renormalize,
                   cfg_.aux_loss_weight, cfg_.z_loss_weight, loss_tokens_);
-}
-
-std::vector<int64_t> MoeLayer::ep_peer_bytes(bool to_experts, int chunk, int n_chunks) const {
-  std::vector<int64_t> b(to_experts ? send_counts_ : recv_counts_);
-  if (n_chunks > 1) {
-    if (!to_experts) throw std::logic_error("MoeLayer::ep_peer_bytes: only the dispatch is chunked");
-    std::vector<int64_t> sd, rc, rd;
-    chunk_counts(chunk, n_chunks, &b, &sd, &rc, &rd);
-  }
-  for (int64_t& x : b) x *= static_cast<int64_t>(sizeof(float));
-  return b;
 }
 
 }  // namespace moe

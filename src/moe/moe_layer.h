@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/token_exchange.h"
 #include "plan/placement.h"
 #include "tensor/tensor.h"
 
@@ -124,27 +125,29 @@ class MoeLayer {
   // op each). forward()/backward() run them in this order; a caller running them itself must too.
   // Compute phases touch no communicator; communication phases (ep_gate_sync: batch group; the
   // *_a2a*: ep group) do nothing else but exchange, so they can run on a communication thread.
+  // From ep_dispatch on, the phases of one step read the step's TokenExchange (token_exchange.h),
+  // which the caller owns and passes to each (the same object through the step).
   // REQUIRES: expert_parallel().
   void ep_gate(const float* x /*[N,C]*/, int64_t N);  // router, local statistics (x kept until ep_gate_bwd)
   void ep_gate_sync();                                // counts + statistics over the batch group
-  void ep_dispatch();                                 // global aux/z/capacity, layout, exchange plan, rows packed
-  void ep_dispatch_a2a();                             // the rows, to the experts' holders
-  void ep_experts();                                  // my held experts over the received rows
+  // Global aux/z/capacity, layout, the exchange planned into *ex, rows packed.
+  void ep_dispatch(TokenExchange* ex);
+  void ep_dispatch_a2a(const TokenExchange& ex);       // the rows, to the experts' holders
+  void ep_experts(TokenExchange* ex);                  // my held experts over the received rows
   // The same two phases in n chunks, so a step can pipeline the exchange with the experts: chunk c
   // carries to each rank d the rows of the c-th of n contiguous parts of the experts d holds this
-  // step (ascending ids, part i of H experts = those at positions [c*H/n, (c+1)*H/n)), and
-  // ep_experts(c, n) runs my held experts of chunk c once it arrived. Run chunks 0..n-1 of each in
-  // order (ep_experts(0, n) first, after ep_dispatch). The results equal the unchunked phases' bit
-  // for bit. ep_experts returns the rows it computed. REQUIRES: 0 <= chunk < n.
-  void ep_dispatch_a2a(int chunk, int n_chunks);
-  int64_t ep_experts(int chunk, int n_chunks);
-  void ep_combine_a2a();                              // results back to the tokens' ranks
-  void ep_combine(float* y /*[N,C]*/);                // gate-weighted sum
-  void ep_combine_bwd(const float* dy /*[N,C]*/);
-  void ep_combine_a2a_bwd();
-  void ep_experts_bwd();
-  void ep_dispatch_a2a_bwd();
-  void ep_gate_bwd(float* dx /*[N,C]*/);              // dx += token-row and router gradients
+  // step (plan::exchange_chunks), and ep_experts(ex, c, n) runs my held experts of chunk c once it
+  // arrived. Run chunks 0..n-1 of each in order. The results equal the unchunked phases' bit for
+  // bit. ep_experts returns the rows it computed. REQUIRES: 0 <= chunk < n.
+  void ep_dispatch_a2a(const TokenExchange& ex, int chunk, int n_chunks);
+  int64_t ep_experts(TokenExchange* ex, int chunk, int n_chunks);
+  void ep_combine_a2a(const TokenExchange& ex);        // results back to the tokens' ranks
+  void ep_combine(const TokenExchange& ex, float* y /*[N,C]*/);  // gate-weighted sum
+  void ep_combine_bwd(const TokenExchange& ex, const float* dy /*[N,C]*/);
+  void ep_combine_a2a_bwd(const TokenExchange& ex);
+  void ep_experts_bwd(const TokenExchange& ex);
+  void ep_dispatch_a2a_bwd(const TokenExchange& ex);
+  void ep_gate_bwd(const TokenExchange& ex, float* dx /*[N,C]*/);  // dx += token-row and router gradients
   // DeepSpeed-MoE's fixed-size exchange: every rank sends every expert S slots, S = the most rows any
   // rank of the ep group keeps for any expert this step (what DeepSpeed's dropless mode agrees on with
   // an allreduce-max; here every rank knows it from the synced counts), its kept rows first and zeros
@@ -152,10 +155,6 @@ class MoeLayer {
   // and only the real rows go back to their tokens. Dropping follows the global rule above, so the
   // mathematics is EP's. REQUIRES: expert_parallel(), no placements enabled, before the first step.
   void set_padded_exchange(bool on);
-  // Bytes this rank sends to each ep group rank in this step's dispatch (to_experts) or combine
-  // exchange; with chunk/n_chunks, in that chunk of the dispatch (to_experts only). Valid after
-  // ep_dispatch.
-  std::vector<int64_t> ep_peer_bytes(bool to_experts, int chunk = 0, int n_chunks = 1) const;
   // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
   int64_t expert_rows() const { return expert_rows_; }
 
@@ -243,35 +242,21 @@ class MoeLayer {
   std::vector<double> stats_;               // [E+2] sum probs per expert, sum lse^2, tokens
   std::vector<int64_t> prior_;              // [E*K] see layout_build
   std::vector<int64_t> batch_rank_of_ep_;   // [P] batch rank of each ep group rank
-  std::vector<int64_t> send_counts_, send_displs_, recv_counts_, recv_displs_;  // [P], in floats
-  std::vector<int32_t> perm_, inv_perm_;    // expert-major row i <- source-major row perm_[i]
-  std::vector<int64_t> local_offset_;       // [H+1] rows of my held experts, held-expert-major
-  std::vector<int> held_order_;             // [H] my held experts in compute order (owned, then slots)
   // Rows received for my experts (up to P*max_tokens*K): source-major (as the alltoallv delivers
-  // them) and expert-major (one contiguous block per held expert, for the GEMMs).
+  // them) and expert-major (one contiguous block per held expert, for the GEMMs). Workspace: what a
+  // step's exchange means is in its TokenExchange.
   Tensor xr_, xe_, ye_, yr_, dr_, de_, dxe_, dxr_;
-  // The exchange of this step (ep_dispatch): rows_[s][e][d] rows rank s sends rank d for expert e
-  // (plan::dispatch_plan over placement_). My rows leave destination-major; when that order is the
-  // layout's expert-major order (send_in_place_), the exchanges read and write xp_, outp_, dout_p_
-  // and dxp_ directly, else they go through xs_ [NK,C] (allocated at the first such step) and the
-  // compute phases permute: destination-major row i <- expert-major row send_perm_[i].
-  void plan_exchange();        // rows_, send/recv counts and displacements, send_perm_
-  void plan_padded_exchange(const std::vector<std::vector<int64_t>>& kept);  // the same, padded
-  void order_received_rows();  // perm_, local_offset_, held_order_ for this step's held experts
-  void to_send_order(float* dst /*[send rows, C]*/, const float* src /*[rows, C] expert-major*/);
-  void grow_exchange_buffers(int64_t received_rows, int64_t sent_rows);
-  // Rows rank s sends rank d for expert e this step (padded: slots_ to the owner).
-  int64_t exchange_rows(int64_t s, int64_t e, int64_t d) const;
-  // The alltoallv counts and displacements (floats) of chunk c of n of the dispatch.
-  void chunk_counts(int c, int n, std::vector<int64_t>* send_counts, std::vector<int64_t>* send_displs,
-                    std::vector<int64_t>* recv_counts, std::vector<int64_t>* recv_displs) const;
-  std::vector<std::vector<std::vector<int64_t>>> rows_;  // [P][E][P]
-  std::vector<int32_t> send_perm_, inv_send_perm_;  // inv_send_perm_[i]: send-order row of row i
-  bool send_in_place_ = true;
-  bool padded_ = false;        // set_padded_exchange
-  int64_t slots_ = 0;          // padded: slots per (rank, expert) this step
-  int64_t send_rows_ = 0;      // rows of the send order this step (padded: held experts x slots)
+  // My rows in the send order when it is not the layout's (!TokenExchange::send_in_place): [NK,C],
+  // allocated at the first such step.
   Tensor xs_;
+  // The exchange of forward()/backward() called whole (tests, evaluation).
+  TokenExchange own_exchange_;
+  void plan_exchange(TokenExchange* ex);  // rows, counts and displacements, send_perm
+  void plan_padded_exchange(TokenExchange* ex, const std::vector<std::vector<int64_t>>& kept);  // the same, padded
+  void order_received_rows(TokenExchange* ex);  // perm, local_offset, held_order for this step's held experts
+  void to_send_order(const TokenExchange& ex, float* dst /*[send rows, C]*/, const float* src /*[rows, C] expert-major*/);
+  void grow_exchange_buffers(int64_t received_rows, int64_t sent_rows);
+  bool padded_ = false;        // set_padded_exchange
 
   // ---- placements (see enable_placements); implemented in moe_layer_replicas.cpp ----
   void ensure_replica_slots(int64_t slots);     // grows the slot buffers, keeping their contents

@@ -13,7 +13,7 @@ using graph::Op;
 using graph::OpKind;
 
 EpStepBodies::EpStepBodies(Model& model, const graph::EpStep& step, GradComms comms, PlacementHooks hooks)
-    : model_(model), step_(step), comms_(comms), hooks_(std::move(hooks)) {
+    : model_(model), step_(step), exchanges_(static_cast<size_t>(model.n_blocks())), comms_(comms), hooks_(std::move(hooks)) {
   std::map<std::string, Param*> by_name;
   for (Param* p : model.params()) by_name[p->name] = p;
   for (const graph::GradBucket& gb : step.buckets) {
@@ -55,8 +55,9 @@ Status EpStepBodies::run(Op& op) {
   const int64_t l = op.layer;
   MoeLayer* moe = l >= 0 ? model_.moe_layer(l) : nullptr;
   // Sizes only the gate knows, recorded on the op for the trace and the metrics.
+  TokenExchange* ex = l >= 0 ? &exchanges_.at(l) : nullptr;
   auto exchange_cost = [&](bool to_experts) {
-    op.cost.peer_bytes = moe->ep_peer_bytes(to_experts, op.micro, op.n_micro);
+    op.cost.peer_bytes = ex->peer_bytes(to_experts, op.micro, op.n_micro);
     op.cost.bytes = 0;
     for (int64_t b : op.cost.peer_bytes) op.cost.bytes += b;
   };
@@ -76,36 +77,36 @@ Status EpStepBodies::run(Op& op) {
     case OpKind::ffn_fwd: model_.ffn_forward(l); break;
     case OpKind::gate_fwd: model_.moe_gate_forward(l); break;
     case OpKind::gate_sync: moe->ep_gate_sync(); break;
-    case OpKind::dispatch_fwd: moe->ep_dispatch(); break;
+    case OpKind::dispatch_fwd: moe->ep_dispatch(ex); break;
     case OpKind::dispatch_a2a:  // one chunk of n_micro (graph/step_builder.h)
       exchange_cost(true);
-      moe->ep_dispatch_a2a(op.micro, op.n_micro);
+      moe->ep_dispatch_a2a(*ex, op.micro, op.n_micro);
       break;
     case OpKind::expert_fwd:
-      expert_flops(1, moe->ep_experts(op.micro, op.n_micro));
+      expert_flops(1, moe->ep_experts(ex, op.micro, op.n_micro));
       if (hooks_.rematerialize && op.micro == op.n_micro - 1) moe->release_replicas(true);
       break;
     case OpKind::combine_a2a:
       exchange_cost(false);
-      moe->ep_combine_a2a();
+      moe->ep_combine_a2a(*ex);
       break;
-    case OpKind::combine_fwd: model_.moe_combine_forward(l); break;
+    case OpKind::combine_fwd: model_.moe_combine_forward(l, *ex); break;
     case OpKind::head_fwd: model_.head_forward(); break;
     case OpKind::head_bwd: model_.head_backward(); break;
-    case OpKind::combine_bwd: model_.moe_combine_backward(l); break;
+    case OpKind::combine_bwd: model_.moe_combine_backward(l, *ex); break;
     case OpKind::combine_a2a_bwd:
       exchange_cost(true);
-      moe->ep_combine_a2a_bwd();
+      moe->ep_combine_a2a_bwd(*ex);
       break;
     case OpKind::expert_bwd:
-      expert_flops(2, moe->expert_rows());
-      moe->ep_experts_bwd();
+      expert_flops(2, ex->received_rows);
+      moe->ep_experts_bwd(*ex);
       break;
     case OpKind::dispatch_a2a_bwd:
       exchange_cost(false);
-      moe->ep_dispatch_a2a_bwd();
+      moe->ep_dispatch_a2a_bwd(*ex);
       break;
-    case OpKind::gate_bwd: model_.moe_gate_backward(l); break;
+    case OpKind::gate_bwd: model_.moe_gate_backward(l, *ex); break;
     case OpKind::ffn_bwd: model_.ffn_backward(l); break;
     case OpKind::attn_bwd: model_.attn_backward(l); break;
     case OpKind::embed_bwd: model_.embed_backward(); break;

@@ -50,6 +50,9 @@ class EpStepBodies {
 
   Model& model_;
   const graph::EpStep& step_;
+  // Per block, the step's token exchange of its MoE layer: planned by dispatch_fwd, read by the
+  // layer's later ops (the state the graph's edges carry; empty for other blocks).
+  std::vector<TokenExchange> exchanges_;
   GradComms comms_;
   PlacementHooks hooks_;
   std::vector<Bucket> buckets_;  // same order as step_.buckets
