@@ -24,10 +24,10 @@
 // Strategies: ep; fastermoe; smartmoe (re-assigning every 5 steps, kSmartMoeInterval); flexmoe (its
 // balance trigger after every step, 1 reserved slot, re-plan interval 50); hecate (t from the modeled attention time as the trainer derives it, m =
 // E / GPUs); hecate-rm (hecate --rematerialize); and both with t = m ("t=m": Alg. 1's t <= m branch
-// at its largest, the top-m experts on every rank), a what-if: on these settings the derived t is 0
-// (an expert's float32 weights take longer to cross a GPU's share of the NIC than one attention
-// layer computes), which leaves Hecate no replicas at all. The planners' bandwidth is placement_bandwidth() (the
-// per-GPU share of a node's NIC line rate). Gradient allreduce micro-ops of 4 MiB (as bench sim).
+// at its largest, the top-m experts on every rank), a what-if: the derived t is small here (one
+// expert's float32 weights against one attention layer's time over the node's inter-node bandwidth,
+// Alg. 1's bw). The planners' cost model comes from the preset's datasheet figures (sim/presets.cpp).
+// Gradient allreduce micro-ops of 4 MiB (as bench sim).
 // Reported: per step, mean over steps 6..10 (the load predictor's window of 5 full): step time, the
 // busiest rank's MoE-layer time (the trainer's moe_ms definition), speedups over EP on the same load.
 #include <cstdio>

@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "runtime/strategy.h"
 #include "strategy/strategy.h"
 
@@ -200,6 +202,32 @@ TEST(RuntimeStrategy, TheGemmRateFollowsMeasurementsUnlessGiven) {
   EXPECT_DOUBLE_EQ(measured.cost_model().gemm_flops, 0.8 * before + 0.2 * 200e9);
   EXPECT_DOUBLE_EQ(measured.cost_model().expert_seconds_per_token,
                    strategy::expert_flops_per_token(cfg.model) / measured.cost_model().gemm_flops);
+}
+
+
+// Links measured again during training fold into the cost model, and the weights' bandwidth follows
+// the slowest class the ranks span, unless --link-gbs gave it.
+TEST(RuntimeStrategy, LinksFollowRemeasurementsUnlessGiven) {
+  moe::TrainConfig cfg;
+  cfg.strategy = "hecate";
+  cfg.link_gbs = 2;
+  moe::runtime::Strategy given(cfg);
+  const double before_given = given.cost_model().bandwidth;
+  given.refresh_links({1e-5, 8e9}, {});
+  EXPECT_EQ(given.cost_model().bandwidth, before_given);
+  EXPECT_EQ(given.cost_model().intra_node.bandwidth, 0);
+  cfg.link_gbs = 0;
+  moe::runtime::Strategy measured(cfg);  // one node: the intra-node class is the one weights cross
+  measured.refresh_links({1e-5, 8e9}, {});  // no figure yet: taken as measured
+  EXPECT_EQ(measured.cost_model().intra_node.bandwidth, 8e9);
+  measured.refresh_links({3e-5, 4e9}, {0, 0});  // a slower link; no inter-node partner (kept at 0)
+  EXPECT_DOUBLE_EQ(measured.cost_model().intra_node.bandwidth, 6e9);
+  EXPECT_DOUBLE_EQ(measured.cost_model().intra_node.latency, 2e-5);
+  EXPECT_EQ(measured.cost_model().inter_node.bandwidth, 0);
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 6e9);
+  EXPECT_DOUBLE_EQ(measured.cost_model().overlap_bandwidth, 6e9);
+  measured.refresh_links({0, std::nan("")}, {});  // not a figure: ignored
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 6e9);
 }
 
 }  // namespace

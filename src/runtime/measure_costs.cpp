@@ -17,9 +17,13 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Message sizes of the ping-pong: from latency-bound to bandwidth-bound on a 1 Gbit/s link.
+// Message sizes of the ping-pong: from latency-bound to bandwidth-bound on a 1 Gbit/s link. A quick
+// re-measurement during training (measure_links, quick) uses the two largest, fewer times and with no
+// warm-up: smaller messages fit in a shaper's or switch's burst allowance and would overstate the rate
+// (1 MiB messages read 3.4 GB/s through the emulated cluster's 10 Gbit/s token bucket).
 constexpr int64_t kSizes[] = {8 << 10, 128 << 10, 1 << 20, 4 << 20};
-constexpr int kRepeats = 5;
+constexpr int64_t kQuickSizes[] = {1 << 20, 4 << 20};
+constexpr int kRepeats = 5, kQuickRepeats = 2;
 constexpr int kTag = 7301;
 
 // Ranks paired lowest-first: partner[r] is the lowest unpaired rank above r that is on the same node
@@ -39,13 +43,14 @@ std::vector<int> pair_ranks(const plan::Nodes& nodes, bool same_node) {
 }
 
 // Half the fastest round trip of each size with `partner` (the lower rank sends first).
-Status ping_pong(comm::Communicator& world, int partner, std::vector<LinkSample>* out) {
+Status ping_pong(comm::Communicator& world, int partner, const std::vector<int64_t>& sizes, int repeats,
+                 bool warm_up, std::vector<LinkSample>* out) {
   const bool first = world.rank() < partner;
-  std::vector<float> buf(kSizes[std::size(kSizes) - 1] / sizeof(float), 1.0f);
-  for (int64_t bytes : kSizes) {
+  std::vector<float> buf(*std::max_element(sizes.begin(), sizes.end()) / sizeof(float), 1.0f);
+  for (int64_t bytes : sizes) {
     const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
     double best = std::numeric_limits<double>::infinity();
-    for (int i = 0; i <= kRepeats; ++i) {  // i == 0: warm-up (connection set-up, first touch)
+    for (int i = warm_up ? 0 : 1; i <= repeats; ++i) {  // i == 0: warm-up (connection set-up, first touch)
       const auto t0 = Clock::now();
       if (first) {
         if (Status s = world.send(buf.data(), n, partner, kTag); !s) return s;
@@ -113,23 +118,30 @@ Status agree_costs(comm::Communicator* world, const RawCosts& mine, RawCosts* ag
   return Status::ok();
 }
 
+Status measure_links(comm::Communicator* world, const plan::Nodes& nodes, bool quick, RawCosts* out) {
+  out->intra_node = out->inter_node = strategy::LinkCost{};
+  if (!world) return Status::ok();
+  if (static_cast<int>(nodes.node_of_rank.size()) != world->size())
+    return Status::error("cost model: REQUIRES a node for every rank");
+  const std::vector<int64_t> sizes = quick ? std::vector<int64_t>(std::begin(kQuickSizes), std::end(kQuickSizes))
+                                           : std::vector<int64_t>(std::begin(kSizes), std::end(kSizes));
+  for (bool same_node : {true, false}) {
+    const int partner = pair_ranks(nodes, same_node)[world->rank()];
+    if (partner >= 0) {
+      std::vector<LinkSample> samples;
+      if (Status s = ping_pong(*world, partner, sizes, quick ? kQuickRepeats : kRepeats, !quick, &samples); !s) return s;
+      strategy::LinkCost& link = same_node ? out->intra_node : out->inter_node;
+      if (!fit_link_cost(samples, &link)) link = rough_link_cost(samples);
+    }
+    if (Status s = world->barrier(); !s) return s;  // one class at a time
+  }
+  return Status::ok();
+}
+
 Status measure_costs(comm::Communicator* world, const plan::Nodes& nodes, const ModelConfig& model, int64_t rows,
                      RawCosts* out) {
   *out = RawCosts{};
-  if (world) {
-    if (static_cast<int>(nodes.node_of_rank.size()) != world->size())
-      return Status::error("cost model: REQUIRES a node for every rank");
-    for (bool same_node : {true, false}) {
-      const int partner = pair_ranks(nodes, same_node)[world->rank()];
-      if (partner >= 0) {
-        std::vector<LinkSample> samples;
-        if (Status s = ping_pong(*world, partner, &samples); !s) return s;
-        strategy::LinkCost& link = same_node ? out->intra_node : out->inter_node;
-        if (!fit_link_cost(samples, &link)) link = rough_link_cost(samples);
-      }
-      if (Status s = world->barrier(); !s) return s;  // one class at a time
-    }
-  }
+  if (Status s = measure_links(world, nodes, /*quick=*/false, out); !s) return s;
   // The pinned kernel on the expert GEMMs of `rows` rows.
   out->gemm_flops =
       1e9 * measure_gemm_rate(expert_gemm_shapes(std::max<int64_t>(1, rows), model.d_model, model.d_ffn), 3);

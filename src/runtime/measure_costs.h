@@ -50,6 +50,12 @@ Status agree_costs(comm::Communicator* world, const RawCosts& mine, RawCosts* ag
 Status measure_costs(comm::Communicator* world, const plan::Nodes& nodes, const ModelConfig& model, int64_t rows,
                      RawCosts* out);
 
+// The links alone (out's GEMM rate untouched), as measure_costs does; quick: two sizes (1 and 4 MiB),
+// best of 2, no warm-up, for re-measuring during training (about 170 ms a class at 1 Gbit/s, 17 ms at
+// 10 Gbit/s).
+// Collective over world (null: nothing to measure).
+Status measure_links(comm::Communicator* world, const plan::Nodes& nodes, bool quick, RawCosts* out);
+
 // The planners' cost model from agreed figures: the expert weights arrive at the slowest link class
 // the ranks span (inter-node when they span hosts), which is also Alg. 1's bw for Hecate's t.
 // link_gbs / gemm_gflops > 0 override the measured bandwidths / GEMM rate.

@@ -69,6 +69,24 @@ void Strategy::refresh_gemm_rate(double measured_flops) {
   impl_->update_cost(cost_);
 }
 
+void Strategy::refresh_links(const strategy::LinkCost& intra_node, const strategy::LinkCost& inter_node) {
+  if (cfg_.link_gbs > 0) return;
+  auto fold = [](strategy::LinkCost* now, const strategy::LinkCost& measured) {
+    if (!(measured.bandwidth > 0) || !std::isfinite(measured.bandwidth) || !std::isfinite(measured.latency)) return;
+    if (!(now->bandwidth > 0)) {
+      *now = measured;
+      return;
+    }
+    now->bandwidth = 0.5 * now->bandwidth + 0.5 * measured.bandwidth;
+    now->latency = 0.5 * now->latency + 0.5 * measured.latency;
+  };
+  fold(&cost_.intra_node, intra_node);
+  fold(&cost_.inter_node, inter_node);
+  const strategy::LinkCost& slowest = nodes_.n_nodes() > 1 ? cost_.inter_node : cost_.intra_node;
+  if (slowest.bandwidth > 0) cost_.bandwidth = cost_.overlap_bandwidth = slowest.bandwidth;
+  impl_->update_cost(cost_);
+}
+
 void Strategy::before_step() {
   for (size_t i = 0; i < layers_.size(); ++i)
     if (std::optional<plan::LayerPlacement> p = impl_->before_step(static_cast<int>(i), layers_[i]->owners()))

@@ -47,6 +47,11 @@ class Strategy {
   // into the cost model (an exponential average, weight 0.2 on the new rate), which the strategy
   // then plans with. Ignored unless finite and > 0, and when --gemm-gflops gave the rate.
   void refresh_gemm_rate(double measured_flops);
+  // Between steps: links measured again (runtime::measure_links, agreed over the ranks), folded into
+  // the cost model (exponential average, weight 0.5 on the new figures; a class not measured is
+  // kept); the weights' and Hecate's overlap bandwidth follow the slowest class the ranks span, as
+  // at start-up. Ignored when --link-gbs gave the bandwidth.
+  void refresh_links(const strategy::LinkCost& intra_node, const strategy::LinkCost& inter_node);
 
   // Before a step: each MoE layer's placement from the strategy.
   void before_step();

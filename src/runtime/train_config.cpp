@@ -76,6 +76,7 @@ Status TrainConfig::validate() const {
   graph::EpStepOptions graph_options;
   probe->configure(&graph_options);
   if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
+  if (link_refresh_every < 0) return fail("link_refresh_every must be >= 0 (0: never)");
   if (device != "cpu" && device != "cuda") return fail("device '" + device + "' is not one of cpu, cuda");
   if (device == "cuda" && probe->uses_placements())
     return fail("device cuda trains on one GPU with one rank: strategy must be ep, not " + strategy);
@@ -147,6 +148,7 @@ json TrainConfig::to_json() const {
               {"load_window", load_window},
               {"link_gbs", link_gbs},
               {"gemm_gflops", gemm_gflops},
+              {"link_refresh_every", link_refresh_every},
               {"reshard_every", reshard_every},
               {"device", device},
               {"dtype", dtype},
@@ -161,8 +163,8 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
                                 "stop_at_step", "threads", "gemm", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
-                                "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops", "reshard_every",
-                                "device", "dtype", "model"};
+                                "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops",
+                                "link_refresh_every", "reshard_every", "device", "dtype", "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     for (const char* k : kKeys) known = known || it.key() == k;
@@ -188,7 +190,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "replica_memory_mb", &c.replica_memory_mb)) &&
       (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
       (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops)) &&
-      (s = read_key(j, "reshard_every", &c.reshard_every)) && (s = read_key(j, "device", &c.device)) &&
+      (s = read_key(j, "link_refresh_every", &c.link_refresh_every)) && (s = read_key(j, "reshard_every", &c.reshard_every)) && (s = read_key(j, "device", &c.device)) &&
       (s = read_key(j, "dtype", &c.dtype))) {
   }
   if (!s) return s;

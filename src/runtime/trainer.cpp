@@ -243,6 +243,7 @@ class TrainingRun {
  private:
   Status gather_loads(StepLoads* out);
   void refresh_costs(const StepFigures& f, const StepLoads& l);
+  Status refresh_links(int64_t done);
   void write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved);
   void print_progress(int64_t done, const StepFigures& f, const StepLoads& l);
   Status save(int64_t step);
@@ -594,6 +595,21 @@ void TrainingRun::refresh_costs(const StepFigures& f, const StepLoads& l) {
   if (n > 0) strategy_.refresh_gemm_rate(rate / n);
 }
 
+// Every --link-refresh-every steps, for the strategies whose planners price moving weights: the
+// links measured again (a quick ping-pong, ~170 ms a link class at 1 Gbit/s, between steps) and folded
+// into their cost model, so a link that slows or is shared is noticed. Collective; the same decision
+// on every rank.
+Status TrainingRun::refresh_links(int64_t done) {
+  const int64_t every = cfg_.link_refresh_every;
+  if (every <= 0 || done % every != 0 || !ranks_.world || !strategy_.uses_placements() || cfg_.link_gbs > 0)
+    return Status::ok();
+  runtime::RawCosts mine, agreed;
+  if (Status s = runtime::measure_links(ranks_.world.get(), nodes_, /*quick=*/true, &mine); !s) return s;
+  if (Status s = runtime::agree_costs(ranks_.world.get(), mine, &agreed); !s) return s;
+  strategy_.refresh_links(agreed.intra_node, agreed.inter_node);
+  return Status::ok();
+}
+
 void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved) {
   json tokens = json::array(), imbalances = json::array(), dropped = json::array();
   json rank_tokens = json::array(), rank_imbalances = json::array();
@@ -681,6 +697,7 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
   StepLoads l;
   if (Status s = gather_loads(&l); !s) return s;
   refresh_costs(f, l);
+  if (Status s = refresh_links(done); !s) return s;
   std::vector<std::vector<int64_t>> global_loads;
   for (const LayerLoad& ll : l.loads) global_loads.push_back(ll.tokens_per_expert);
   strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
@@ -825,7 +842,7 @@ json resume_identity(const TrainConfig& c) {
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "reshard_every", "device", "dtype"})
+                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "reshard_every", "device", "dtype"})
     j.erase(k);
   return j;
 }
