@@ -1,6 +1,7 @@
 // Benchmarks behind `moe bench <name>`. Each prints a fixed table with the reference it is judged
 // against measured in the same run (this machine's GEMM rate, a PyTorch peer) and the ratio:
-// machines here are shared and noisy, ratios measured side by side are what hold.
+// machines here are shared and noisy, ratios measured side by side are what hold. Every one prints
+// through bench/report.h: one header block, the same column conventions, --json for machines.
 #pragma once
 
 #include <filesystem>
@@ -40,6 +41,7 @@ struct BenchOptions {
   int threads = 2;
   int repeats = 5;         // timed repetitions per row; the median is reported
   bool skip_torch = false; // leave out the PyTorch peer rows
+  bool json = false;       // the report as one JSON document (bench/report.h)
 };
 
 // d_model 512, d_ffn 2048, 8 experts, top-2, 4096 tokens: GEMM rate on the expert shapes per

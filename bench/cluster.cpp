@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -39,6 +40,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "bench/emulated_cluster.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
@@ -128,18 +130,22 @@ int collectives_ranks(const BenchOptions& opt) {
   const double cap_s = per_dir / byte_s;
   // Max-min fair: both start together with the same bytes, so each gets half until both finish.
   const double fair_s = 2 * per_dir / byte_s;
-  std::printf("\n# NIC cap %s (%.0f Mbit/s each way; payload %.1f MB/s after headers)\n", nic ? nic : "?", bps / 1e6,
-              byte_s / 1e6);
-  std::printf("%-28s %8s %8s %9s %6s %10s %7s %8s\n", "operation", "MiB/dir", "cap ms", "alone ms", "/cap",
-              "shared ms", "/alone", "fair ms");
+  BenchOptions child = opt;
+  child.json = true;  // the parent (cluster_collectives) reads the document
+  Report report("cluster-collectives", "one emulated cluster run", child);
+  char title[160];
+  std::snprintf(title, sizeof title, "NIC cap %s (%.0f Mbit/s each way; payload %.1f MB/s after headers)",
+                nic ? nic : "?", bps / 1e6, byte_s / 1e6);
+  report.table(title, {{"operation", ""}, {"per direction", "MiB", 1}, {"at the cap", "ms", 1}, {"alone", "ms", 1},
+                       {"alone / at the cap", "x"}, {"shared", "ms", 1}, {"shared / alone", "x"},
+                       {"max-min fair", "ms", 1}});
   auto row = [&](const char* name, double alone, double shared) {
-    std::printf("%-28s %8.1f %8.1f %9.1f %6.2f %10.1f %7.2f %8.1f\n", name, per_dir / 1048576.0, cap_s * 1e3,
-                alone * 1e3, alone / cap_s, shared * 1e3, shared / alone, fair_s * 1e3);
+    report.row({std::string(name), per_dir / 1048576.0, cap_s * 1e3, alone * 1e3, alone / cap_s, shared * 1e3,
+                shared / alone, fair_s * 1e3});
   };
   row("alltoallv (+ allreduce)", median(a_alone), median(a_shared));
   row("allreduce (+ alltoallv)", median(r_alone), median(r_shared));
-  std::fflush(stdout);
-  return 0;
+  return report.finish(0);
 }
 
 // ---- cluster-ep-training: one `moe train` run's metrics ----
@@ -183,60 +189,59 @@ int cluster_collectives(const BenchOptions& opt) {
   if (std::getenv("OMPI_COMM_WORLD_SIZE")) return collectives_ranks(opt);
   const EmulatedCluster cluster(kCluster, "200mbit");
   if (!usable(cluster, "cluster-collectives")) return 1;
-  std::printf("# moe bench cluster-collectives: 2 emulated hosts x 1 rank (scripts/cluster.sh), float32, median of %d "
-              "rounds; alltoallv and allreduce alone and at the same time on the same link\n",
-              opt.repeats);
-  std::fflush(stdout);
+  Report report("cluster-collectives",
+                "2 emulated hosts x 1 rank (scripts/cluster.sh), float32, median of " + std::to_string(opt.repeats) +
+                    " rounds; alltoallv and allreduce alone and at the same time on the same link, next to the times "
+                    "the cap and max-min fair sharing predict",
+                opt);
   int failed = 0;
   for (const char* nic : {"200mbit", "1gbit"}) {
-    if (!cluster.shape(nic)) return 1;
+    if (!cluster.shape(nic)) return report.finish(1);
     const std::string job = str_cat("run -- ", self_exe("moe"), " bench cluster-collectives --repeats ", opt.repeats);
     const ShellResult r = run_shell(cluster.command(job));
-    // Only the table: the launch line goes to stderr, merged here.
-    std::string table;
-    for (size_t at = 0; at < r.output.size();) {
-      size_t end = r.output.find('\n', at);
-      std::string line = r.output.substr(at, end == std::string::npos ? std::string::npos : end - at + 1);
-      if (line.rfind("moe cluster:", 0) != 0) table += line;
-      at = end == std::string::npos ? r.output.size() : end + 1;
+    // The child's JSON document: the output from its first '{' (the launch lines come before it).
+    const size_t at = r.output.find("\n{");
+    const nlohmann::json doc =
+        nlohmann::json::parse(at == std::string::npos ? std::string() : r.output.substr(at + 1), nullptr, false);
+    if (r.exit_code != 0 || !report.add_from(doc)) {
+      std::fprintf(stderr, "moe bench cluster-collectives: cap %s: the job failed (exit %d):\n%s", nic, r.exit_code,
+                   r.output.c_str());
+      report.note(str_cat("cap ", nic, ": the job failed (exit ", r.exit_code, ")"));
+      ++failed;
     }
-    std::printf("%s", table.c_str());
-    std::fflush(stdout);
-    if (r.exit_code != 0) std::printf("# cap %s: the job failed (exit %d)\n", nic, r.exit_code), ++failed;
   }
-  return failed ? 1 : 0;
+  return report.finish(failed ? 1 : 0);
 }
 
 int cluster_ep_training(const BenchOptions& opt) {
   const EmulatedCluster cluster(kCluster, "100mbit");
   if (!usable(cluster, "cluster-ep-training")) return 1;
   const int steps = 15, warmup = 3;
-  std::printf("# moe bench cluster-ep-training: moe train, default model and corpus, 2 ranks x 1 thread, %d steps "
-              "(medians after %d); 2 emulated hosts x 1 rank at each NIC cap vs 2 ranks on one host\n",
-              steps, warmup);
-  std::fflush(stdout);
+  Report report("cluster-ep-training",
+                str_cat("moe train, default model and corpus, 2 ranks x 1 thread, ", steps, " steps (medians after ",
+                        warmup, "); 2 emulated hosts x 1 rank at each NIC cap vs 2 ranks on one host"),
+                opt);
   std::vector<TrainRow> rows;
   rows.push_back(train_row("1 host, shared memory",
                            "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none",
                            steps, warmup));
   for (const char* nic : {"100mbit", "1gbit", "10gbit"}) {
-    if (!cluster.shape(nic)) return 1;
+    if (!cluster.shape(nic)) return report.finish(1);
     rows.push_back(train_row(str_cat("2 hosts, NIC ", nic), cluster.command("run --"), steps, warmup));
   }
-  std::printf("%-24s %9s %11s %17s %9s %12s\n", "run", "step ms", "compute ms", "exposed comm ms", "comm ms",
-              "vs 1 host");
+  report.table("runs", {{"run", ""}, {"step", "ms", 1}, {"compute", "ms", 1}, {"exposed comm", "ms", 1},
+                       {"comm", "ms", 1}, {"step / 1-host step", "x"}});
+  const double nan = std::nan("");
   int failed = 0;
   for (const TrainRow& r : rows) {
     if (!r.ok) {
-      std::printf("%-24s %9s\n", r.name.c_str(), "failed");
+      report.row({r.name + " (failed)", nan, nan, nan, nan, nan});
       ++failed;
       continue;
     }
-    std::printf("%-24s %9.1f %11.1f %17.1f %9.1f %12.2f\n", r.name.c_str(), r.step, r.compute, r.exposed, r.comm,
-                rows[0].ok ? r.step / rows[0].step : 0);
+    report.row({r.name, r.step, r.compute, r.exposed, r.comm, rows[0].ok ? r.step / rows[0].step : nan});
   }
-  (void)opt;
-  return failed ? 1 : 0;
+  return report.finish(failed ? 1 : 0);
 }
 
 }  // namespace moe::bench

@@ -22,6 +22,7 @@
 // them, and the table's header says how many cores there are.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +33,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "bench/emulated_cluster.h"
 #include "sim/calibrate.h"
 #include "sim/simulate.h"
@@ -121,34 +123,35 @@ int cluster_strategies(const BenchOptions& opt) {
     for (auto [nic, bits] : {std::pair{"1gbit", 1e9}, std::pair{"10gbit", 1e10}})
       for (double skew : {1.5, 0.0}) configs.push_back({rph, nic, bits, skew});
 
-  std::printf("# moe bench cluster-strategies: moe train, default model and corpus, --threads 1, %d steps (medians "
-              "after %d), %d interleaved rounds; 2 emulated hosts sharing this machine's %d cores\n",
-              kSteps, kWarmup, rounds, cores);
-  std::fflush(stdout);
+  Report report("cluster-strategies",
+                str_cat("every strategy on an emulated cluster: moe train, default model and corpus, --threads 1, ",
+                        kSteps, " steps (medians after ", kWarmup, "), ", rounds,
+                        " interleaved rounds; 2 emulated hosts sharing this machine's ", cores, " cores"),
+                opt);
 
   // The simulator's calibration: a local 2-rank ep run (traced) on this machine now.
   const std::string local = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none";
   const Run cal_run = train(local, "", (dir / "cal.jsonl").string(), (dir / "cal.trace.json").string());
-  if (!cal_run.ok) return 1;
+  if (!cal_run.ok) return report.finish(1);
   sim::CalibrationResult cal;
   if (Status s = sim::calibrate((dir / "cal.jsonl").string() + "," + (dir / "cal.trace.json").string(), ModelConfig{},
                                 &cal, {cores, 1});
       !s) {
     std::fprintf(stderr, "bench cluster-strategies: %s\n", s.message().c_str());
-    return 1;
+    return report.finish(1);
   }
 
   EmulatedCluster cluster(kCluster, configs[0].nic);
   if (!cluster.up()) {
     std::fprintf(stderr, "moe bench cluster-strategies: %s\n", cluster.why().c_str());
-    return 1;
+    return report.finish(1);
   }
   // runs[c][s]: every round's run of strategy s in configuration c.
   std::vector<std::vector<std::vector<Run>>> runs(configs.size(), std::vector<std::vector<Run>>(strategies.size()));
   int failed = 0;
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
-    if (!cluster.shape(cf.nic)) return 1;
+    if (!cluster.shape(cf.nic)) return report.finish(1);
     const std::string launch = cluster.command(str_cat("run --ranks-per-node ", cf.ranks_per_host, " --"));
     for (int r = 0; r < rounds; ++r)
       for (size_t s = 0; s < strategies.size(); ++s) {
@@ -165,9 +168,11 @@ int cluster_strategies(const BenchOptions& opt) {
     const int ranks = 2 * cf.ranks_per_host;
     sim::ClusterSpec spec;
     const Status spec_status = sim::two_node_cluster(cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, &spec);
-    std::printf("\n2 hosts x %d rank(s), NIC %s, router skew %.1f\n", cf.ranks_per_host, cf.nic, cf.skew);
-    std::printf("%-28s %8s %6s %10s %9s %9s %4s %8s %8s\n", "strategy", "step ms", "vs ep", "exposed ms", "sparse MB",
-                "ranks m/m", "t", "sim ms", "sim err");
+    report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", router skew ", cf.skew),
+                 {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"}, {"exposed comm", "ms", 1},
+                  {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0}, {"sim step graph", "ms", 0},
+                  {"sim / measured step graph - 1", "%", 0}});
+    const double nan = std::nan("");
     auto med = [&](size_t s, double Run::*field) {
       std::vector<double> v;
       for (const Run& r : runs[c][s])
@@ -177,7 +182,7 @@ int cluster_strategies(const BenchOptions& opt) {
     const double ep_step = med(0, &Run::step_ms);
     for (size_t s = 0; s < strategies.size(); ++s) {
       if (med(s, &Run::step_ms) == 0) {
-        std::printf("%-28s failed (see above)\n", strategies[s].c_str());
+        report.row({strategies[s] + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan});
         continue;
       }
       std::vector<double> pred;
@@ -188,14 +193,15 @@ int cluster_strategies(const BenchOptions& opt) {
         if (r.ok && spec_status && predict(spec, name, reshard_every, ranks, r.metrics, &ms)) pred.push_back(ms);
       }
       const double p = median(pred), g = med(s, &Run::graph_ms);
-      std::printf("%-28s %8.1f %6.2f %10.1f %9.2f %9.2f %4.0f %8s %8s\n", strategies[s].c_str(), med(s, &Run::step_ms),
-                  ep_step > 0 ? med(s, &Run::step_ms) / ep_step : 0, med(s, &Run::exposed_ms), med(s, &Run::sparse_mb),
-                  med(s, &Run::rank_imbalance), med(s, &Run::t), p > 0 ? str_cat(static_cast<int>(p + 0.5)).c_str() : "-",
-                  p > 0 && g > 0 ? str_cat(p / g > 1 ? "+" : "", static_cast<int>(100 * (p / g - 1) + (p > g ? 0.5 : -0.5)), "%").c_str() : "-");
+      report.row({strategies[s], med(s, &Run::step_ms), ep_step > 0 ? med(s, &Run::step_ms) / ep_step : nan,
+                  med(s, &Run::exposed_ms), med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
+                  p > 0 ? p : nan, p > 0 && g > 0 ? 100 * (p / g - 1) : nan});
     }
   }
-  std::printf("\nsim: calibrated on a local 2-rank ep run of this bench (%s)\n", cal_run.ok ? "ok" : "failed");
-  return failed ? 1 : 0;
+  report.note(str_cat("sim: the simulator's step graph time (compute + exposed comm) for the run's own loads, "
+                      "calibrated on a local 2-rank ep run of this bench (", cal_run.ok ? "ok" : "failed",
+                      "); measured step graph: the run's compute + exposed comm"));
+  return report.finish(failed ? 1 : 0);
 }
 
 }  // namespace moe::bench

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "bench/mpi_bench.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
@@ -64,37 +65,33 @@ struct Summary {
   int64_t best_ours_at = 0, best_raw_at = 0;
 };
 
-void print_header(const char* title) {
-  std::printf("\n# %s\n", title);
-  std::printf("#                                    %-36s   %-36s\n", "------------- ours -------------",
-              "----------- raw MPI -----------");
-  std::printf("# %10s %10s %6s %5s  %10s %7s %7s %7s   %10s %7s %7s %7s  %8s\n", "size", "count", "type", "redop",
-              "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "ours/raw");
-  std::printf("# %10s %10s %6s %5s  %10s %7s %7s %7s   %10s %7s %7s %7s  %8s\n", "(B)", "(elements)", "", "",
-              "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "");
+void print_header(Report& report, const std::string& title) {
+  report.table(title, {{"size", "B"}, {"count", "elements"}, {"type", ""}, {"redop", ""}, {"ours time", "us", 1},
+                       {"ours algbw", "GB/s"}, {"ours busbw", "GB/s"}, {"ours #wrong", ""}, {"raw time", "us", 1},
+                       {"raw algbw", "GB/s"}, {"raw busbw", "GB/s"}, {"raw #wrong", ""}, {"raw time / ours time", "x"}});
 }
 
-void print_row(int64_t bytes, int64_t count, const char* redop, double factor, const Side& ours, const Side& raw,
-               Summary* sum) {
+void print_row(Report& report, int64_t bytes, int64_t count, const char* redop, double factor, const Side& ours,
+               const Side& raw, Summary* sum) {
   double alg_o = bytes / ours.seconds / 1e9, alg_r = bytes / raw.seconds / 1e9;
   double ratio = raw.seconds / ours.seconds;
-  std::printf("  %10ld %10ld %6s %5s  %10.1f %7.2f %7.2f %7ld   %10.1f %7.2f %7.2f %7ld  %8.2f\n",
-              static_cast<long>(bytes), static_cast<long>(count), "float", redop, ours.seconds * 1e6, alg_o,
-              alg_o * factor, static_cast<long>(ours.wrong), raw.seconds * 1e6, alg_r, alg_r * factor,
-              static_cast<long>(raw.wrong), ratio);
-  std::fflush(stdout);
+  report.row({std::to_string(bytes), count, std::string("float"), std::string(redop), ours.seconds * 1e6, alg_o,
+              alg_o * factor, ours.wrong, raw.seconds * 1e6, alg_r, alg_r * factor, raw.wrong, ratio});
   sum->ratios.push_back(ratio);
   if (alg_o * factor > sum->best_ours) sum->best_ours = alg_o * factor, sum->best_ours_at = bytes;
   if (alg_r * factor > sum->best_raw) sum->best_raw = alg_r * factor, sum->best_raw_at = bytes;
 }
 
-void print_summary(const Summary& s) {
+void print_summary(Report& report, const std::string& what, const Summary& s) {
   double log_sum = 0, worst = 1e30;
   for (double r : s.ratios) log_sum += std::log(r), worst = std::min(worst, r);
-  std::printf("# peak busbw: ours %.2f GB/s at %s, raw MPI %.2f GB/s at %s; ours/raw: geometric mean %.2f, "
-              "lowest %.2f (target >= 0.90)\n",
-              s.best_ours, size_str(s.best_ours_at).c_str(), s.best_raw, size_str(s.best_raw_at).c_str(),
-              std::exp(log_sum / s.ratios.size()), worst);
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "%s: peak busbw ours %.2f GB/s at %s, raw MPI %.2f GB/s at %s; raw time / ours time: geometric mean "
+                "%.2f, lowest %.2f (goal, not measured: >= 0.90)",
+                what.c_str(), s.best_ours, size_str(s.best_ours_at).c_str(), s.best_raw,
+                size_str(s.best_raw_at).c_str(), std::exp(log_sum / s.ratios.size()), worst);
+  report.note(buf);
 }
 
 int iterations(int64_t bytes) { return static_cast<int>(std::clamp<int64_t>(kMaxBytes / bytes, 3, 500)); }
@@ -113,17 +110,21 @@ int collectives(const BenchOptions& opt) {
   const int P = world->size(), r = world->rank();
   const bool root = r == 0;
 
+  std::unique_ptr<Report> report;  // rank 0 prints
   if (root) {
     char lib[MPI_MAX_LIBRARY_VERSION_STRING];
     int len = 0;
     MPI_Get_library_version(lib, &len);
     std::string version(lib, len);
     version = version.substr(0, version.find_first_of(",\n"));
-    std::printf("moe bench collectives: %d rank%s (%s), %s, %s; float32; median of %d rounds; "
-                "busbw factors: allreduce 2(n-1)/n = %.2f, alltoallv (n-1)/n = %.2f\n",
-                P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), session->thread_level_name(),
-                opt.repeats, 2.0 * (P - 1) / P, double(P - 1) / P);
-    if (P == 1) std::printf("(one rank moves no data: run it as `mpirun -n 2 moe bench collectives`)\n");
+    char what[512];
+    std::snprintf(what, sizeof what,
+                  "our collectives beside raw MPI, %d rank%s (%s), %s, %s; float32; median of %d rounds; busbw = "
+                  "algbw x factor: allreduce 2(n-1)/n = %.2f, alltoallv (n-1)/n = %.2f",
+                  P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), session->thread_level_name(),
+                  opt.repeats, 2.0 * (P - 1) / P, double(P - 1) / P);
+    report = std::make_unique<Report>("collectives", what, opt);
+    if (P == 1) report->note("one rank moves no data: run it as `mpirun -n 2 moe bench collectives`");
   }
 
   std::vector<float> send(kMaxBytes / 4), recv(kMaxBytes / 4);
@@ -131,7 +132,7 @@ int collectives(const BenchOptions& opt) {
 
   // ---- alltoallv, equal splits ----
   Summary a2a;
-  if (root) print_header("alltoallv, equal splits (ours: Communicator::alltoallv; raw: MPI_Alltoall)");
+  if (root) print_header(*report, "alltoallv, equal splits (ours: Communicator::alltoallv; raw: MPI_Alltoall)");
   for (int64_t bytes = kMinBytes; bytes <= kMaxBytes; bytes *= 4) {
     const int64_t per = bytes / 4 / P, count = per * P;
     for (int p = 0; p < P; ++p) counts[p] = per, displs[p] = p * per;
@@ -157,13 +158,13 @@ int collectives(const BenchOptions& opt) {
         for (int64_t i = 0; i < per; ++i) wrong += recv[p * per + i] != pattern(p, r, i);
       MPI_Allreduce(&wrong, &side->wrong, 1, MPI_INT64_T, MPI_SUM, raw);
     }
-    if (root) print_row(count * 4, count, "none", double(P - 1) / P, o, m, &a2a);
+    if (root) print_row(*report, count * 4, count, "none", double(P - 1) / P, o, m, &a2a);
   }
-  if (root) print_summary(a2a);
+  if (root) print_summary(*report, "alltoallv", a2a);
 
   // ---- allreduce, sum, in place ----
   Summary ar;
-  if (root) print_header("allreduce, sum, in place (ours: Communicator::allreduce; raw: MPI_Allreduce)");
+  if (root) print_header(*report, "allreduce, sum, in place (ours: Communicator::allreduce; raw: MPI_Allreduce)");
   std::fill(send.begin(), send.end(), 0.0f);  // timed calls reduce zeros: no overflow, no denormals
   for (int64_t bytes = kMinBytes; bytes <= kMaxBytes; bytes *= 4) {
     const int64_t count = bytes / 4;
@@ -186,12 +187,12 @@ int collectives(const BenchOptions& opt) {
       MPI_Allreduce(&wrong, &side->wrong, 1, MPI_INT64_T, MPI_SUM, raw);
     }
     std::fill(send.begin(), send.begin() + count, 0.0f);
-    if (root) print_row(bytes, count, "sum", 2.0 * (P - 1) / P, o, m, &ar);
+    if (root) print_row(*report, bytes, count, "sum", 2.0 * (P - 1) / P, o, m, &ar);
   }
-  if (root) print_summary(ar);
+  if (root) print_summary(*report, "allreduce", ar);
 
   MPI_Comm_free(&raw);
-  return 0;
+  return root ? report->finish(0) : 0;
 }
 
 }  // namespace moe::bench

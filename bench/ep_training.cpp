@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -31,6 +32,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "util/shell.h"
 
 namespace moe::bench {
@@ -84,9 +86,11 @@ int ep_training(const BenchOptions& opt) {
   const int steps = 40, warmup = 5, threads = std::max(2, opt.threads);
   const int rounds = std::clamp(opt.repeats, 1, 3);
   const int64_t tokens = 16 * 128;  // the default global batch
-  std::printf("# moe bench ep-training: default model and corpus, %d rounds x %d steps (medians after %d each), "
-              "%d cores in all\n",
-              rounds, steps, warmup, threads);
+  Report report("ep-training",
+                "expert-parallel training on 2 MPI ranks against 1 process on the same global batch, default model "
+                "and corpus, " + std::to_string(rounds) + " rounds x " + std::to_string(steps) + " steps (medians after " +
+                    std::to_string(warmup) + " each), " + std::to_string(threads) + " cores in all",
+                opt);
   struct Config {
     std::string name;
     int ranks;
@@ -116,33 +120,30 @@ int ep_training(const BenchOptions& opt) {
     row.rank_imbalance = median(s.imbalance);
     rows.push_back(row);
   }
-  std::printf("%-26s %8s %8s %9s %10s %16s %13s %9s %10s\n", "run", "step ms", "tok/s", "vs 1 proc", "compute ms",
-              "exposed ms (%)", "allreduce ms", "hidden %", "ranks m/m");
+  report.table("runs, interleaved rounds",
+               {{"run", ""}, {"step", "ms", 1}, {"tokens/s", "1/s", 0}, {"1-process step / step", "x"},
+                {"compute", "ms", 1}, {"exposed comm", "ms", 1}, {"exposed / (compute + exposed)", "%", 0},
+                {"allreduce", "ms", 1}, {"allreduce hidden", "%", 0}, {"ranks max / mean", "x"}});
   // Each row against the 1-process run of the same router (rows 0 and 3).
   auto ref_of = [&](const Row& r) {
     const Row& ref = r.name.find("skew") != std::string::npos ? rows[3] : rows[0];
     return ref.ok ? ref.step_ms : 0.0;
   };
+  const double nan = std::nan("");
   int failed = 0;
   for (const Row& r : rows) {
     if (!r.ok) {
-      std::printf("%-26s %8s\n", r.name.c_str(), "failed");
+      report.row({r.name + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan, nan});
       ++failed;
       continue;
     }
     const double graph_ms = r.compute_ms + r.exposed_ms;
-    char ar[32] = "-", hid[32] = "-";
-    if (r.allreduce_ms > 0) {
-      std::snprintf(ar, sizeof ar, "%.1f", r.allreduce_ms);
-      std::snprintf(hid, sizeof hid, "%.0f", 100 * r.hidden_ms / r.allreduce_ms);
-    }
-    char exposed[32];
-    std::snprintf(exposed, sizeof exposed, "%.1f (%.0f%%)", r.exposed_ms, graph_ms > 0 ? 100 * r.exposed_ms / graph_ms : 0);
-    std::printf("%-26s %8.1f %8.0f %9.2f %10.1f %16s %13s %9s %10.2f\n", r.name.c_str(), r.step_ms,
-                tokens / (r.step_ms / 1e3), ref_of(r) > 0 ? ref_of(r) / r.step_ms : 0, r.compute_ms, exposed, ar, hid,
-                r.rank_imbalance);
+    report.row({r.name, r.step_ms, tokens / (r.step_ms / 1e3), ref_of(r) > 0 ? ref_of(r) / r.step_ms : nan,
+                r.compute_ms, r.exposed_ms, graph_ms > 0 ? 100 * r.exposed_ms / graph_ms : nan,
+                r.allreduce_ms > 0 ? r.allreduce_ms : nan, r.allreduce_ms > 0 ? 100 * r.hidden_ms / r.allreduce_ms : nan,
+                r.rank_imbalance});
   }
-  return failed ? 1 : 0;
+  return report.finish(failed ? 1 : 0);
 }
 
 }  // namespace moe::bench

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "moe/experts.h"
 #include "moe/moe_layer.h"
 #include "tensor/ops.h"
@@ -44,16 +46,6 @@ void fill(Tensor& t, uint64_t seed, float scale) {
     s ^= s << 13, s ^= s >> 7, s ^= s << 17;  // xorshift: cheap, deterministic
     t[i] = scale * (static_cast<float>(s >> 40) / static_cast<float>(1 << 24) - 0.5f);
   }
-}
-
-struct Row { std::string name; double ms, tokens_per_s, gflops; std::string note; };
-
-// A value of 0 prints as "-": the column does not apply to that row (a bare GEMM has no tokens/s).
-void print_row(const Row& r) {
-  char tps[16] = "-", gf[16] = "-";
-  if (r.tokens_per_s > 0) std::snprintf(tps, sizeof tps, "%.0f", r.tokens_per_s);
-  if (r.gflops > 0) std::snprintf(gf, sizeof gf, "%.1f", r.gflops);
-  std::printf("| %-46s | %9.2f | %10s | %8s | %-40s |\n", r.name.c_str(), r.ms, tps, gf, r.note.c_str());
 }
 
 // This CPU's FP32 fused multiply-add peak on `threads` threads, GFLOP/s: independent FMA chains on the
@@ -97,25 +89,11 @@ double fma_peak_gflops(int threads) {
       for (int i = 0; i < kChains; ++i) sink += sum(acc[i]);
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (sink == 42.0f) std::printf(" ");  // keeps the chains alive
+    if (sink == 42.0f) std::fputc(0, stderr);  // keeps the chains alive
     best = std::max(best, 2.0 * kLanes * kChains * kIters * threads / s * 1e-9);
   }
   return best;
 #endif
-}
-
-// "AMD EPYC 9B45" from /proc/cpuinfo's first "model name".
-std::string cpu_model() {
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen("/proc/cpuinfo", "r"), std::fclose);
-  char line[512];
-  while (f && std::fgets(line, sizeof line, f.get())) {
-    std::string l(line);
-    if (l.rfind("model name", 0) != 0) continue;
-    std::string m = l.substr(l.find(':') + 2);
-    while (!m.empty() && (m.back() == '\n' || m.back() == ' ')) m.pop_back();
-    return m.substr(0, 34);
-  }
-  return "unknown CPU";
 }
 
 // The OpenBLAS kernels the PyTorch peer is timed with: its own detection (no OPENBLAS_CORETYPE, which
@@ -158,9 +136,16 @@ bool run_peer(const std::string& coretype, int threads, int repeats, double* fwd
 
 int moe_layer(const BenchOptions& opt) {
   omp_set_num_threads(opt.threads);
-  std::printf("moe bench moe-layer: d_model=%ld d_ffn=%ld experts=%ld top-%ld tokens=%ld gelu threads=%d, "
-              "median of %d\n",
-              kC, kF, kE, kK, kN, opt.threads, opt.repeats);
+  Report report("moe-layer",
+                "one MoE layer on this CPU: d_model " + std::to_string(kC) + ", d_ffn " + std::to_string(kF) + ", " +
+                    std::to_string(kE) + " experts, top-" + std::to_string(kK) + ", " + std::to_string(kN) +
+                    " tokens, GELU; median of " + std::to_string(opt.repeats),
+                opt, /*uses_gemm=*/true);
+  // A row: time, tokens/s, GFLOP/s (NaN where the column does not apply) and what it is measured against.
+  const double nan = std::nan("");
+  auto row = [&](const std::string& name, double ms, double tokens_per_s, double gflops, const std::string& note) {
+    report.row({name, ms, tokens_per_s, gflops, note});
+  };
 
   MoeConfig cfg;
   cfg.d_model = kC, cfg.d_ffn = kF, cfg.n_experts = kE, cfg.top_k = kK;
@@ -171,19 +156,15 @@ int moe_layer(const BenchOptions& opt) {
   fill(x, 100, 2.0f);
   fill(dy, 101, 1.0f);
   layer.forward(y.data(), x.data(), kN);
-  std::printf("GEMM backend: %s\n", gemm_backend().c_str());
   const Routing& r = layer.routing();
   int64_t R = r.rows();
   int64_t max_rows = *std::max_element(r.tokens_per_expert.begin(), r.tokens_per_expert.end());
-  std::printf("routing: %ld rows, expert load max/mean %.2f\n\n", R, max_rows / (double(R) / kE));
-
-  std::printf("| %-46s | %9s | %10s | %8s | %-40s |\n", "measurement", "ms", "tokens/s", "GFLOP/s", "note");
-  std::printf("|%s|%s|%s|%s|%s|\n", std::string(48, '-').c_str(), std::string(11, '-').c_str(),
-              std::string(12, '-').c_str(), std::string(10, '-').c_str(), std::string(42, '-').c_str());
+  report.table("the layer, its experts and its references",
+               {{"measurement", "", 0, 46}, {"time", "ms"}, {"tokens/s", "1/s", 0}, {"rate", "GFLOP/s", 1}, {"note", ""}});
 
   // 0. The CPU's FMA peak: what every other rate is a share of.
   const double peak = fma_peak_gflops(opt.threads);
-  print_row({"FP32 FMA peak (" + std::to_string(opt.threads) + " threads)", 0, 0, peak, cpu_model()});
+  row("FP32 FMA peak (" + std::to_string(opt.threads) + " threads)", nan, nan, peak, "independent FMA chains");
 
   // 1. This machine's GEMM rate on the expert shapes (balanced rows per expert), each backend.
   int64_t M = R / kE;
@@ -193,7 +174,7 @@ int moe_layer(const BenchOptions& opt) {
   const std::vector<GemmShape> shapes = expert_gemm_shapes(M, kC, kF);
   for (const GemmShape& g : shapes) gemm_flops += 2.0 * g.M * g.N * g.K;
   double gemm_rate = 0;
-  std::string chosen = gemm_backend().substr(0, gemm_backend().find(' '));
+  const std::string chosen = gemm_backend_name();
   for (const char* backend : {"onednn", "openblas"}) {
     double ms = median_ms(opt.repeats, [&] {
       for (const GemmShape& g : shapes)
@@ -203,9 +184,9 @@ int moe_layer(const BenchOptions& opt) {
     double rate = gemm_flops / (ms * 1e6);
     if (backend == chosen) gemm_rate = rate;
     char note[64];
-    std::snprintf(note, sizeof note, "%s%.0f%% of FMA peak", backend == chosen ? "chosen: the reference; " : "",
+    std::snprintf(note, sizeof note, "%s%.0f%% of FMA peak", backend == chosen ? "in use, the reference; " : "",
                   100 * rate / peak);
-    print_row({std::string("GEMM, expert shapes x6, ") + backend, ms, 0, rate, note});
+    row(std::string("GEMM, expert shapes x6, ") + backend, ms, nan, rate, note);
   }
 
   // 2. The MoE layer.
@@ -218,10 +199,11 @@ int moe_layer(const BenchOptions& opt) {
     layer.forward(y.data(), x.data(), kN);
     layer.backward(dx.data(), dy.data());
   });
-  print_row({"MoE layer forward", fwd_ms, kN / (fwd_ms * 1e-3), (expert_flops_fwd + router_flops_fwd) / (fwd_ms * 1e6),
-             ""});
-  print_row({"MoE layer forward+backward", fwdbwd_ms, kN / (fwdbwd_ms * 1e-3),
-             3 * (expert_flops_fwd + router_flops_fwd) / (fwdbwd_ms * 1e6), ""});
+  char load[64];
+  std::snprintf(load, sizeof load, "%lld rows, expert load max/mean %.2f", (long long)R, max_rows / (double(R) / kE));
+  row("MoE layer forward", fwd_ms, kN / (fwd_ms * 1e-3), (expert_flops_fwd + router_flops_fwd) / (fwd_ms * 1e6), load);
+  row("MoE layer forward+backward", fwdbwd_ms, kN / (fwdbwd_ms * 1e-3),
+      3 * (expert_flops_fwd + router_flops_fwd) / (fwdbwd_ms * 1e6), "");
 
   // 3. The experts phase alone (the layer's GEMM chains over its permuted rows).
   ExpertShape s{kE, kC, kF, Activation::gelu};
@@ -243,37 +225,38 @@ int moe_layer(const BenchOptions& opt) {
   });
   double experts_rate = 3 * expert_flops_fwd / (experts_ms * 1e6);
   char note[64];
-  std::snprintf(note, sizeof note, "%.0f%% of GEMM rate (target >= 85%%)", 100 * experts_rate / gemm_rate);
-  print_row({"experts fwd+bwd (GEMM chains + activation)", experts_ms, kN / (experts_ms * 1e-3), experts_rate, note});
+  std::snprintf(note, sizeof note, "%.0f%% of the GEMM rate", 100 * experts_rate / gemm_rate);
+  row("experts fwd+bwd (GEMM chains + activation)", experts_ms, kN / (experts_ms * 1e-3), experts_rate, note);
   std::snprintf(note, sizeof note, "experts are %.0f%% of layer time", 100 * experts_ms / fwdbwd_ms);
-  print_row({"  rest of the layer (router, permute, combine)", fwdbwd_ms - experts_ms, 0, 0, note});
+  row("  rest of the layer (router, permute, combine)", fwdbwd_ms - experts_ms, nan, nan, note);
+  report.note("goal (the project's, not measured): experts >= 85% of the GEMM rate; the layer >= 2x the PyTorch "
+              "peer at its best kernel, forward+backward");
 
   // 4. The PyTorch peer, at its best of the OpenBLAS kernels this CPU runs.
-  if (!opt.skip_torch) {
-    double best_fwd = 0, best_fb = 0;
-    std::string best_core;
-    for (const std::string& core : peer_coretypes()) {
-      double f, fb;
-      const std::string label = core.empty() ? std::string("OpenBLAS's own detection") : "OPENBLAS_CORETYPE=" + core;
-      if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) {
-        std::printf("| %-46s | %9s | %10s | %8s | %-40s |\n", "PyTorch peer fwd+bwd", "-", "-", "-",
-                    (label + ": did not run").c_str());
-        continue;
-      }
-      print_row({"PyTorch peer fwd+bwd", fb, kN / (fb * 1e-3), 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6),
-                 label});
-      if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core.empty() ? "detected" : core;
+  if (opt.skip_torch) return report.finish(0);
+  double best_fwd = 0, best_fb = 0;
+  std::string best_core;
+  report.table("the PyTorch peer (bench/torch_moe_layer_peer.py), each OpenBLAS kernel this CPU runs",
+               {{"measurement", "", 0, 46}, {"time", "ms"}, {"tokens/s", "1/s", 0}, {"rate", "GFLOP/s", 1}, {"kernel", ""}});
+  for (const std::string& core : peer_coretypes()) {
+    double f, fb;
+    const std::string label = core.empty() ? std::string("OpenBLAS's own detection") : "OPENBLAS_CORETYPE=" + core;
+    if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) {
+      row("PyTorch peer fwd+bwd", nan, nan, nan, label + ": did not run");
+      continue;
     }
-    if (best_fb == 0) {
-      std::printf("\nPyTorch peer could not run (/usr/bin/python3 with torch: scripts/setup.sh --test)\n");
-      return 1;
-    }
-    std::printf("\nforward:          moe %.0f tokens/s, PyTorch peer (%s) %.0f tokens/s: %.2fx\n",
-                kN / (fwd_ms * 1e-3), best_core.c_str(), kN / (best_fwd * 1e-3), best_fwd / fwd_ms);
-    std::printf("forward+backward: moe %.0f tokens/s, PyTorch peer (%s) %.0f tokens/s: %.2fx (target >= 2x)\n",
-                kN / (fwdbwd_ms * 1e-3), best_core.c_str(), kN / (best_fb * 1e-3), best_fb / fwdbwd_ms);
+    row("PyTorch peer fwd+bwd", fb, kN / (fb * 1e-3), 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6), label);
+    if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core.empty() ? "detected" : core;
   }
-  return 0;
+  if (best_fb == 0) {
+    report.note("PyTorch peer could not run (/usr/bin/python3 with torch: scripts/setup.sh --test)");
+    return report.finish(1);
+  }
+  report.table("moe against the PyTorch peer at its best kernel (" + best_core + ")",
+               {{"pass", ""}, {"moe", "tokens/s", 0}, {"peer", "tokens/s", 0}, {"peer time / moe time", "x"}});
+  report.row({std::string("forward"), kN / (fwd_ms * 1e-3), kN / (best_fwd * 1e-3), best_fwd / fwd_ms});
+  report.row({std::string("forward+backward"), kN / (fwdbwd_ms * 1e-3), kN / (best_fb * 1e-3), best_fb / fwdbwd_ms});
+  return report.finish(0);
 }
 
 }  // namespace moe::bench

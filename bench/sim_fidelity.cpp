@@ -48,6 +48,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "bench/emulated_cluster.h"
 #include "sim/calibrate.h"
 #include "sim/simulate.h"
@@ -162,9 +163,11 @@ int sim_fidelity(const BenchOptions& opt) {
   const int64_t base_batch = 16;
   const int cal_ranks = 2;
   const int runs = std::max(1, opt.repeats);
-  std::printf("moe bench sim-fidelity: calibrate on %d runs of moe train --ranks %d (default model, batch %lld, %d "
-              "thread per rank, %d cores),\npredict other configurations, measure them for real in the same run\n\n",
-              runs, cal_ranks, (long long)base_batch, threads, cores);
+  Report report("sim-fidelity",
+                str_cat("calibrate the simulator on ", runs, " runs of moe train --ranks ", cal_ranks,
+                        " (default model, batch ", base_batch, ", ", threads, " thread per rank, ", cores,
+                        " cores), predict other configurations, measure them for real in the same run"),
+                opt);
   struct Case {
     std::string name;
     int ranks;
@@ -205,7 +208,7 @@ int sim_fidelity(const BenchOptions& opt) {
     fs::create_directories(cal_dir);
     const Measured cal_run = train(local_launch(cal_ranks), cal_args, (cal_dir / "metrics.jsonl").string(),
                                    (cal_dir / "trace.json").string());
-    if (!cal_run.ok) return 1;
+    if (!cal_run.ok) return report.finish(1);
     cal_runs.push_back(cal_dir.string());
     cal_ms.push_back(cal_run.graph_ms);
     cal_spread.push_back(cal_run.rank_spread);
@@ -232,16 +235,25 @@ int sim_fidelity(const BenchOptions& opt) {
   for (auto [result, cal_set] : {std::pair{&cal, cal_runs}, std::pair{&cal1, std::vector<std::string>{cal_runs[0]}}}) {
     if (Status s = sim::calibrate(cal_set, base, result, {cores, threads}); !s) {
       std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-      return 1;
+      return report.finish(1);
     }
   }
-  std::fputs(sim::describe(cal).c_str(), stdout);
-  std::printf("  (the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s)\n",
-              cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
+  {
+    const std::string described = sim::describe(cal);  // lines; each a note
+    for (size_t at = 0; at < described.size();) {
+      const size_t end = described.find('\n', at);
+      const std::string line = described.substr(at, end == std::string::npos ? std::string::npos : end - at);
+      if (!line.empty()) report.note(line);
+      at = end == std::string::npos ? described.size() : end + 1;
+    }
+  }
+  char first[160];
+  std::snprintf(first, sizeof first, "the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s",
+                cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
+  report.note(first);
   std::string cal_all;
   for (size_t k = 0; k < cal_ms.size(); ++k) cal_all += run_cell(cal_ms[k], cal_spread[k]);
-  std::printf("  the calibration runs measured%s ms (as \"measured ms\" below; in brackets the rank spread)\n",
-              cal_all.c_str());
+  report.note("the calibration runs measured" + cal_all + " ms (as \"measured\" below; in brackets the rank spread)");
 
   // Every run predicted with its own load (its metrics file, replayed) on its configuration's cluster.
   auto cluster_for = [&](const Case& c, const sim::CalibrationResult& from, sim::ClusterSpec* out) {
@@ -265,30 +277,33 @@ int sim_fidelity(const BenchOptions& opt) {
     for (auto [from, out] : {std::pair{&cal, &predicted[i]}, std::pair{&cal1, &predicted1[i]}}) {
       if (Status s = cluster_for(c, *from, &cfg.cluster); !s) {
         std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-        return 1;
+        return report.finish(1);
       }
       for (const std::string& file : metrics[i]) {
         double ms = 0;
         if (Status s = simulated_graph_ms(cfg, file, 1, &ms); !s) {  // as Measured::graph_ms: after step 1
           std::fprintf(stderr, "bench sim-fidelity: %s\n", s.message().c_str());
-          return 1;
+          return report.finish(1);
         }
         out->push_back(ms);
       }
     }
   }
 
-  std::printf("\n%-28s %13s %12s %8s %17s %16s %16s   %s\n", "configuration", "predicted ms", "measured ms", "error",
-              "error (1-run cal)", "error vs fastest", "measured step ms", "measured ms (rank spread) of each run");
+  report.table("predicted against measured",
+               {{"configuration", "", 0, 28}, {"predicted", "ms"}, {"measured", "ms"}, {"predicted / measured - 1", "%", 1},
+                {"the same, 1-run calibration", "%", 1}, {"fastest run's own prediction / it - 1", "%", 1},
+                {"measured step", "ms"}, {"measured ms (rank spread) of each run", ""}});
+  const double nan = std::nan("");
   int failed = 0;
   for (size_t i = 0; i < n; ++i) {
     const Case& c = cases[i];
     if (c.two_hosts && !no_hosts.empty()) {
-      std::printf("%-28s skipped: %s\n", c.name.c_str(), no_hosts.c_str());
+      report.row({c.name, nan, nan, nan, nan, nan, nan, "skipped: " + no_hosts});
       continue;
     }
     if (failed_case[i]) {
-      std::printf("%-28s failed (a real run; see above)\n", c.name.c_str());
+      report.row({c.name, nan, nan, nan, nan, nan, nan, std::string("failed (a real run; see stderr)")});
       ++failed;
       continue;
     }
@@ -297,20 +312,18 @@ int sim_fidelity(const BenchOptions& opt) {
     const size_t fastest = std::min_element(measured[i].begin(), measured[i].end()) - measured[i].begin();
     std::string all;
     for (size_t k = 0; k < measured[i].size(); ++k) all += run_cell(measured[i][k], spread[i][k]);
-    std::printf("%-28s %13.2f %12.2f %+7.1f%% %+16.1f%% %+15.1f%% %16.2f  %s\n", c.name.c_str(), p, meas,
-                100 * (p / meas - 1), 100 * (median(predicted1[i]) / meas - 1),
-                100 * (predicted[i][fastest] / measured[i][fastest] - 1), median(measured_step[i]), all.c_str());
+    report.row({c.name, p, meas, 100 * (p / meas - 1), 100 * (median(predicted1[i]) / meas - 1),
+                100 * (predicted[i][fastest] / measured[i][fastest] - 1), median(measured_step[i]), all});
   }
-  std::printf("\npredicted / measured: the step graph's wall time (compute + exposed comm, mean over ranks), median\n"
-              "over steps 2..%d of a run, median over %d runs of the configuration (each predicted with its own\n"
-              "load); error vs fastest: the configuration's fastest run against its own prediction (the simulator\n"
-              "models a machine without other jobs, and they only add time); measured step ms adds the optimizer and\n"
-              "metrics (not in either graph). Rank spread: the slowest rank's attention time over the fastest's, the\n"
-              "same work on every rank (2 ranks on a quiet machine: 1.00-1.04; 4 ranks on 2 cores, which take turns:\n"
-              "1.04-1.25); above that, other jobs slowed a core in that run (both cores slowed alike leave it low).\n"
-              "This machine is shared with other jobs: runs of one configuration differ by 10-30%%.\n",
-              steps, std::max(1, opt.repeats));
-  return failed ? 1 : 0;
+  report.note(str_cat("predicted / measured: the step graph's wall time (compute + exposed comm, mean over ranks), "
+                      "median over steps 2..", steps, " of a run, median over ", std::max(1, opt.repeats),
+                      " runs of the configuration (each predicted with its own load); fastest run: the "
+                      "configuration's fastest run against its own prediction (the simulator models a machine without "
+                      "other jobs, and they only add time); measured step adds the optimizer and metrics (not in "
+                      "either graph). Rank spread: the slowest rank's attention time over the fastest's, the same work "
+                      "on every rank, so a spread well above 1 says other jobs slowed a core in that run (both cores "
+                      "slowed alike leave it low; docs/sim.md has the spreads seen on a quiet machine)."));
+  return report.finish(failed ? 1 : 0);
 }
 
 }  // namespace moe::bench

@@ -30,12 +30,14 @@
 // Gradient allreduce micro-ops of 4 MiB (as bench sim).
 // Reported: per step, mean over steps 6..10 (the load predictor's window of 5 full): step time, the
 // busiest rank's MoE-layer time (the trainer's moe_ms definition), speedups over EP on the same load.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "sim/simulate.h"
 #include "util/str_cat.h"
 
@@ -104,7 +106,7 @@ Status run_row(const PaperModel& pm, const Setting& st, const std::string& strat
 
 }  // namespace
 
-int sim_strategies(const BenchOptions&) {
+int sim_strategies(const BenchOptions& opt) {
   const std::vector<PaperModel> models = {{"GPT-MoE-S", 768, 2048, 4}, {"BERT-MoE", 1024, 512, 16}};
   const std::vector<Setting> settings = {
       {"p3dn.24xlarge", 2, "Fig. 9 (Cluster A, 16 GPUs): hecate 1.40-1.58x over EP (4 models)"},
@@ -112,30 +114,34 @@ int sim_strategies(const BenchOptions&) {
       {"p4d.24xlarge", 4, "Fig. 10 (Cluster B, 32 GPUs): hecate 1.26-1.70x over EP (4 models)"}};
   std::vector<std::string> loads = {"zipf-drift:1.0,0.25"};
   if (const char* f = std::getenv("MOE_SIM_LOAD"); f && *f) loads.push_back(f);
-  std::printf("moe bench sim-strategies: the Hecate paper's setting in the simulator (assumptions: bench/sim_strategies.cpp)\n");
-  std::printf("per step, mean over steps %d-%d; MoE = the busiest rank's MoE-layer time; speedups over EP on the same load\n",
-              kWarm + 1, kSteps);
-  std::printf("paper, text of §5.2: FasterMoE's bars in Figs. 9-10 are not given as numbers; Fig. 11 (GPT-MoE-S, Cluster B): "
-              "hecate's MoE layers 2.8-18.8x faster than EP's (geo-mean 11.87x)\n");
+  Report report("sim-strategies",
+                "the Hecate paper's settings in the simulator, strategies side by side on the same load (assumptions: "
+                "bench/sim_strategies.cpp); per step, mean over steps " + std::to_string(kWarm + 1) + "-" +
+                    std::to_string(kSteps),
+                opt);
+  const double nan = std::nan("");
   int failures = 0;
   for (const Setting& st : settings) {
-    std::printf("\n%s x %d nodes  --  paper: %s\n", st.preset.c_str(), st.nodes, st.paper.c_str());
-    std::printf("%-10s %-22s %-10s %10s %10s %8s %8s %4s %9s %11s\n", "model", "load", "strategy", "step ms", "MoE ms",
-                "step x", "MoE x", "t", "replicas", "sparse MB");
+    report.table(st.preset + " x " + std::to_string(st.nodes) + " nodes",
+                 {{"model", ""}, {"load", ""}, {"strategy", ""}, {"step", "ms"}, {"MoE", "ms"},
+                  {"ep step / step", "x"}, {"ep MoE / MoE", "x"}, {"t", "", 0}, {"replicas", "", 1},
+                  {"sparse", "MB", 1}});
     for (const PaperModel& pm : models) {
       Row balanced;
       if (Status s = run_row(pm, st, "ep", false, "uniform", &balanced); !s) {
-        std::printf("%-10s balanced reference failed: %s\n", pm.name.c_str(), s.message().c_str());
+        std::fprintf(stderr, "bench sim-strategies: %s balanced reference failed: %s\n", pm.name.c_str(),
+                     s.message().c_str());
         ++failures;
         continue;
       }
-      std::printf("%-10s %-22s %-10s %10.2f %10.2f %8s %8s %4s %9s %11s\n", pm.name.c_str(), "uniform", "ep", balanced.step_ms,
-                  balanced.moe_ms, "-", "-", "-", "-", "-");
+      report.row({pm.name, std::string("uniform"), std::string("ep"), balanced.step_ms, balanced.moe_ms, nan, nan, nan,
+                  nan, nan});
       for (const std::string& load : loads) {
         Row ep;
         const std::string shown = load.size() > 22 ? "recorded" : load;
         if (Status s = run_row(pm, st, "ep", false, load, &ep); !s) {
-          std::printf("%-10s %-22s skipped: %s\n", pm.name.c_str(), shown.c_str(), s.message().c_str());
+          std::fprintf(stderr, "bench sim-strategies: %s %s skipped: %s\n", pm.name.c_str(), shown.c_str(),
+                       s.message().c_str());
           continue;
         }
         struct Variant {
@@ -152,20 +158,24 @@ int sim_strategies(const BenchOptions&) {
           Row r = ep;
           if (std::string(v.label) != "ep")
             if (Status s = run_row(pm, st, v.strategy, v.remat, load, &r, v.t_is_m); !s) {
-              std::printf("%-10s %-22s %-10s failed: %s\n", pm.name.c_str(), shown.c_str(), v.label, s.message().c_str());
+              std::fprintf(stderr, "bench sim-strategies: %s %s %s failed: %s\n", pm.name.c_str(), shown.c_str(),
+                           v.label, s.message().c_str());
               ++failures;
               continue;
             }
           const bool placed = std::string(v.strategy) != "ep";
-          std::printf("%-10s %-22s %-10s %10.2f %10.2f %8.2f %8.2f %4s %9.1f %11.1f\n", pm.name.c_str(), shown.c_str(),
-                      v.label, r.step_ms, r.moe_ms, ep.step_ms / r.step_ms, ep.moe_ms / r.moe_ms,
-                      std::string(v.strategy) == "hecate" ? std::to_string(r.t).c_str() : "-", placed ? r.replicas : 0.0,
-                      r.sparse_mb);
+          report.row({pm.name, shown, std::string(v.label), r.step_ms, r.moe_ms, ep.step_ms / r.step_ms,
+                      ep.moe_ms / r.moe_ms, std::string(v.strategy) == "hecate" ? static_cast<double>(r.t) : nan,
+                      placed ? r.replicas : 0.0, r.sparse_mb});
         }
       }
     }
+    report.note("paper (" + st.preset + " x " + std::to_string(st.nodes) + ", not measured here): " + st.paper);
   }
-  return failures == 0 ? 0 : 1;
+  report.note("MoE = the busiest rank's MoE-layer time; speedups over EP on the same load");
+  report.note("paper, text of its section 5.2 (not measured here): FasterMoE's bars in Figs. 9-10 are not given as "
+              "numbers; Fig. 11 (GPT-MoE-S, Cluster B): hecate's MoE layers 2.8-18.8x faster than EP's (geo-mean 11.87x)");
+  return report.finish(failures == 0 ? 0 : 1);
 }
 
 }  // namespace moe::bench

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "bench/mpi_bench.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
@@ -96,14 +97,11 @@ int64_t moved_per_rank(const comm::SparsePlan& plan, int64_t chunk_bytes) {
   return m;
 }
 
-void print_header(const char* title) {
-  std::printf("\n# %s\n", title);
-  std::printf("#                                          %-38s   %-30s\n", "--------------- sparse ---------------",
-              "----------- dense ------------");
-  std::printf("# %10s %6s %11s %6s  %10s %7s %7s   %10s %7s %7s  %12s %7s\n", "chunk", "lambda", "moved/rank", "rounds",
-              "time", "busbw", "#wrong", "time", "busbw", "#wrong", "sparse/dense", "bytes");
-  std::printf("# %10s %6s %11s %6s  %10s %7s %7s   %10s %7s %7s  %12s %7s\n", "(B)", "", "(B)", "", "(us)", "(GB/s)",
-              "", "(us)", "(GB/s)", "", "(time)", "");
+void print_header(Report& report, const std::string& title) {
+  report.table(title, {{"chunk", "B"}, {"lambda", "", 3}, {"moved / rank", "B"}, {"rounds", ""},
+                       {"sparse time", "us", 1}, {"sparse busbw", "GB/s"}, {"sparse #wrong", ""},
+                       {"dense time", "us", 1}, {"dense busbw", "GB/s"}, {"dense #wrong", ""},
+                       {"sparse time / dense time", "x", 3}, {"sparse bytes / dense bytes", "x", 3}});
 }
 
 struct Row {
@@ -112,26 +110,25 @@ struct Row {
   size_t rounds = 0;
 };
 
-void print_row(const Row& r) {
-  std::printf("  %10ld %6.3f %11ld %6zu  %10.1f %7.2f %7ld   %10.1f %7.2f %7ld  %12.3f %7.3f\n",
-              static_cast<long>(r.chunk_bytes), r.lambda, static_cast<long>(r.moved), r.rounds, r.seconds * 1e6,
-              r.moved / r.seconds / 1e9, static_cast<long>(r.wrong), r.dense_seconds * 1e6,
-              r.dense_moved / r.dense_seconds / 1e9, static_cast<long>(r.dense_wrong), r.seconds / r.dense_seconds,
-              double(r.moved) / r.dense_moved);
-  std::fflush(stdout);
+void print_row(Report& report, const Row& r) {
+  report.row({std::to_string(r.chunk_bytes), r.lambda, r.moved, static_cast<int64_t>(r.rounds), r.seconds * 1e6,
+              r.moved / r.seconds / 1e9, r.wrong, r.dense_seconds * 1e6, r.dense_moved / r.dense_seconds / 1e9,
+              r.dense_wrong, r.seconds / r.dense_seconds, double(r.moved) / r.dense_moved});
 }
 
 // Per lambda: the geometric mean over chunk sizes of sparse/dense time, next to lambda.
-void print_summary(const std::vector<Row>& rows) {
-  std::printf("# sparse/dense time, geometric mean over chunk sizes (the bytes ratio in brackets):");
+void print_summary(Report& report, const std::vector<Row>& rows) {
+  std::string line = "sparse time / dense time, geometric mean over chunk sizes (lambda, the bytes ratio, in brackets):";
   for (double lambda : kLambdas) {
     double log_sum = 0;
     int n = 0;
     for (const Row& r : rows)
       if (r.lambda == lambda) log_sum += std::log(r.seconds / r.dense_seconds), ++n;
-    std::printf("  %.3f (%.3f)", std::exp(log_sum / n), lambda);
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %.3f (%.3f)", std::exp(log_sum / n), lambda);
+    line += buf;
   }
-  std::printf("\n");
+  report.note(line);
 }
 
 int iterations(int64_t dense_bytes) {
@@ -152,17 +149,21 @@ int sparse_collectives(const BenchOptions& opt) {
   const int P = world->size(), r = world->rank(), K = kChunksPerRank, C = P * K;
   const bool root = r == 0;
 
+  std::unique_ptr<Report> report;  // rank 0 prints
   if (root) {
     char lib[MPI_MAX_LIBRARY_VERSION_STRING];
     int len = 0;
     MPI_Get_library_version(lib, &len);
     std::string version(lib, len);
     version = version.substr(0, version.find_first_of(",\n"));
-    std::printf("moe bench sparse-collectives: %d rank%s (%s), %s, %s; float32; %d chunks per rank, %d in all; "
-                "median of %d rounds\n",
-                P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), session->thread_level_name(), K, C,
-                opt.repeats);
-    if (P == 1) std::printf("(one rank moves no data: run it as `mpirun -n 2 moe bench sparse-collectives`)\n");
+    char what[512];
+    std::snprintf(what, sizeof what,
+                  "Hecate's sparse collectives beside the dense ones, %d rank%s (%s), %s, %s; float32; %d chunks per "
+                  "rank, %d in all; median of %d rounds",
+                  P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), session->thread_level_name(), K, C,
+                  opt.repeats);
+    report = std::make_unique<Report>("sparse-collectives", what, opt);
+    if (P == 1) report->note("one rank moves no data: run it as `mpirun -n 2 moe bench sparse-collectives`");
   }
 
   std::vector<Sparse> sparse;
@@ -261,15 +262,15 @@ int sparse_collectives(const BenchOptions& opt) {
   if (root) {
     std::string title = "sparse_allgather vs the dense allgather of all chunks (Communicator::allgather); chunks ";
     title += size_str(kMinChunkBytes), title += " .. ", title += size_str(kMaxChunkBytes);
-    print_header(title.c_str());
-    for (const Row& row : ag_rows) print_row(row);
-    print_summary(ag_rows);
-    print_header("sparse_reduce_scatter vs the dense reduce_scatter of all chunks (Communicator::reduce_scatter)");
-    for (const Row& row : rs_rows) print_row(row);
-    print_summary(rs_rows);
+    print_header(*report, title);
+    for (const Row& row : ag_rows) print_row(*report, row);
+    print_summary(*report, ag_rows);
+    print_header(*report, "sparse_reduce_scatter vs the dense reduce_scatter of all chunks (Communicator::reduce_scatter)");
+    for (const Row& row : rs_rows) print_row(*report, row);
+    print_summary(*report, rs_rows);
   }
   MPI_Comm_free(&raw);
-  return 0;
+  return root ? report->finish(0) : 0;
 }
 
 }  // namespace moe::bench

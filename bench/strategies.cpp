@@ -10,7 +10,7 @@
 //   step ms       wall time of the step (rank 0)
 //   moe ms        the MoE layers' time, busiest rank: gate_fwd .. combine_fwd and combine_bwd ..
 //                 gate_bwd of every MoE block, waits for the exchanges included
-//   vs ref        moe ms / the reference's moe ms (the goal for hecate: <= 1.15)
+//   moe / reference moe   moe ms over the reference's
 //   expert ms     expert GEMM time (expert_fwd + expert_bwd), busiest rank / mean over ranks
 //   ranks m/m     expert rows of the busiest rank over the mean, worst MoE layer
 //   sparse MB     bytes the sparse collectives moved per step (sent + received, all ranks)
@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -29,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/report.h"
 #include "util/shell.h"
 
 namespace moe::bench {
@@ -74,9 +76,11 @@ bool run(int ranks, int threads, const std::string& extra, int steps, int warmup
 int strategies(const BenchOptions& opt) {
   const int steps = 30, warmup = 6, ranks = 2, threads = std::max(1, opt.threads / ranks);
   const int rounds = std::clamp(opt.repeats, 1, 3);
-  std::printf("# moe bench strategies: default model and corpus, %d MPI ranks x %d thread(s), router skew 1.5, "
-              "%d rounds x %d steps (medians after %d each)\n",
-              ranks, threads, rounds, steps, warmup);
+  Report report("strategies",
+                "every training strategy on " + std::to_string(ranks) + " MPI ranks x " + std::to_string(threads) +
+                    " thread(s), default model and corpus, router skew 1.5, " + std::to_string(rounds) + " rounds x " +
+                    std::to_string(steps) + " steps (medians after " + std::to_string(warmup) + " each)",
+                opt);
   struct Config {
     std::string name, extra;
   };
@@ -96,24 +100,29 @@ int strategies(const BenchOptions& opt) {
   for (int r = 0; r < rounds; ++r)
     for (size_t c = 0; c < configs.size(); ++c)
       if (ok[c]) ok[c] = run(ranks, threads, configs[c].extra, steps, warmup, &samples[c]);
-  std::printf("%-26s %8s %8s %7s %16s %9s %10s %9s\n", "strategy", "step ms", "moe ms", "vs ref", "expert ms max/mean",
-              "ranks m/m", "sparse MB", "replicas");
+  report.table("strategies, interleaved rounds",
+               {{"strategy", ""}, {"step", "ms", 1}, {"moe", "ms", 1}, {"moe / reference moe", "x"},
+                {"expert max", "ms", 1}, {"expert mean", "ms", 1}, {"ranks max / mean", "x"}, {"sparse", "MB"},
+                {"replicas", "", 0}});
   const double ref = ok[0] ? median(samples[0].moe) : 0;
+  const double nan = std::nan("");
   int failed = 0;
   for (size_t c = 0; c < configs.size(); ++c) {
     const Samples& s = samples[c];
     if (!ok[c] || s.step.empty()) {
-      std::printf("%-26s %8s\n", configs[c].name.c_str(), "failed");
+      report.row({configs[c].name + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan});
       ++failed;
       continue;
     }
     const double moe = median(s.moe);
-    char expert[32];
-    std::snprintf(expert, sizeof expert, "%.1f / %.1f", median(s.expert_max), median(s.expert_mean));
-    std::printf("%-26s %8.1f %8.1f %7.2f %16s %9.2f %10.2f %9.0f\n", configs[c].name.c_str(), median(s.step), moe,
-                ref > 0 ? moe / ref : 0, expert, median(s.imbalance), median(s.sparse_mb), median(s.replicas));
+    report.row({configs[c].name, median(s.step), moe, ref > 0 ? moe / ref : nan, median(s.expert_max),
+                median(s.expert_mean), median(s.imbalance), median(s.sparse_mb), median(s.replicas)});
   }
-  return failed ? 1 : 0;
+  report.note("reference: ep with the router unskewed (the first row); moe = the MoE layers' time on the busiest "
+              "rank, waits for the exchanges included; expert = expert GEMM time per rank; ranks max / mean = expert "
+              "rows of the busiest rank over the mean, worst MoE layer; sparse = bytes the sparse collectives moved "
+              "per step, all ranks");
+  return report.finish(failed ? 1 : 0);
 }
 
 }  // namespace moe::bench

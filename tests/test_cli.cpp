@@ -7,6 +7,7 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "util/shell.h"
 
@@ -191,6 +192,38 @@ TEST_F(CliTest, CheckpointOfAnotherShapeRejected) {
   Result r = run_moe("train " + tiny() + "--steps 2 --checkpoint-dir " + (dir_ / "ck").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_rejected(tiny() + "--experts 8 --steps 4 --resume " + (dir_ / "ck").string(), "blocks.0.moe");
+}
+
+// Every benchmark prints through bench/report.h: one header block, tables whose columns carry units,
+// notes; --json the same as one document. `moe bench sim` is the quickest to run.
+TEST(BenchReport, OneFormatInTextAndJson) {
+  const Result text = moe::run_shell(std::string(MOE_BIN) + " bench sim --repeats 1 2>/dev/null");
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  for (const char* line : {"# moe bench sim: ", "\n# machine  ", "\n# run      ", " thread(s), ", "\n## one simulated step",
+                           "step (ms)", "wall (ms)", "# goal (the project's, not measured here)"})
+    EXPECT_NE(text.output.find(line), std::string::npos) << line << "\n" << text.output;
+  const Result json = moe::run_shell(std::string(MOE_BIN) + " bench sim --repeats 1 --json 2>/dev/null");
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const nlohmann::json doc = nlohmann::json::parse(json.output, nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << "not one JSON document:\n" << json.output;
+  EXPECT_EQ(doc["bench"], "sim");
+  EXPECT_FALSE(doc["machine"]["cpu"].get<std::string>().empty());
+  EXPECT_GE(doc["machine"]["cpus"].get<int>(), 1);
+  EXPECT_EQ(doc["run"]["repeats"], 1);
+  EXPECT_EQ(doc["exit_code"], 0);
+  ASSERT_EQ(doc["tables"].size(), 1u);
+  const nlohmann::json& t = doc["tables"][0];
+  ASSERT_EQ(t["rows"].size(), 5u);  // 32, 32 aggregated, 256, 1024, 4096 GPUs
+  EXPECT_EQ(t["columns"][5]["name"], "step");
+  EXPECT_EQ(t["columns"][5]["unit"], "ms");
+  for (const nlohmann::json& row : t["rows"]) {
+    ASSERT_EQ(row.size(), t["columns"].size());
+    EXPECT_GT(row[5].get<double>(), 0) << "the simulated step";
+    EXPECT_GT(row[6].get<double>(), 0) << "the measured wall time";
+  }
+  bool goal_labelled = false;
+  for (const nlohmann::json& n : doc["notes"]) goal_labelled |= n.get<std::string>().find("not measured") != std::string::npos;
+  EXPECT_TRUE(goal_labelled) << "the goal is a labelled note, not a column";
 }
 
 }  // namespace

@@ -17,11 +17,12 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   c->add_option("--repeats", f->repeats, "timed repetitions (the median is reported)")->check(CLI::PositiveNumber);
   c->add_flag("--skip-torch", f->skip_torch, "do not run the PyTorch peer");
+  c->add_flag("--json", f->json, "print the report as one JSON document (progress stays on stderr)");
   return c;
 }
 
 int run_bench(const BenchFlags& f) {
-  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch};
+  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json};
   if (f.name == "collectives") return bench::collectives(opt);
   if (f.name == "ep-training") return bench::ep_training(opt);
   if (f.name == "sparse-collectives") return bench::sparse_collectives(opt);

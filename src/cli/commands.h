@@ -30,6 +30,7 @@ struct BenchFlags {
   int threads = 2;
   int repeats = 5;
   bool skip_torch = false;
+  bool json = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
