@@ -123,7 +123,7 @@ int sim_strategies(const BenchOptions& opt) {
   int failures = 0;
   for (const Setting& st : settings) {
     report.table(st.preset + " x " + std::to_string(st.nodes) + " nodes",
-                 {{"model", ""}, {"load", ""}, {"strategy", ""}, {"step", "ms"}, {"MoE", "ms"},
+                 {{"model", ""}, {"load", "", 0, 20}, {"strategy", "", 0, 10}, {"step", "ms"}, {"MoE", "ms"},
                   {"ep step / step", "x"}, {"ep MoE / MoE", "x"}, {"t", "", 0}, {"replicas", "", 1},
                   {"sparse", "MB", 1}});
     for (const PaperModel& pm : models) {

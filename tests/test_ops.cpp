@@ -1,4 +1,6 @@
-// One harness for every kernel of src/tensor/ops.h, in the spirit of ggml's test-backend-ops:
+// The kernels of src/tensor/ops.h case by case; the uniform checks of every differentiable kernel are
+// the op table's (tests/op_table.h, tests/test_op_table.cpp: one row per op). Here, in the spirit of
+// ggml's test-backend-ops:
 //  (1) value mode:    each forward against a naive double-precision reference written here
 //                     (GEMM: every transpose combination, odd sizes, padded leading dimensions,
 //                     alpha/beta, K = 0, M = N = 0, through gemm(), gemm_with("onednn") and
