@@ -1,7 +1,7 @@
 // mpirun-ranks: 2
 // The trainer's measured cost model (runtime/measure_costs.h): the alpha-beta fit recovers known
 // links from synthetic timings; ranks that measured different figures agree on one set, bit for bit,
-// and so plan identically (DESIGN invariant 2); a real measurement over the world gives a link the
+// and so plan identically (invariant 2, docs/architecture.md); a real measurement over the world gives a link the
 // ranks share.
 #include <gtest/gtest.h>
 

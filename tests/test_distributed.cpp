@@ -1,4 +1,4 @@
-// DESIGN invariant 1 for expert parallelism: `moe train` on 1, 2 and 4 MPI ranks (experts divided
+// Invariant 1 (docs/architecture.md) for expert parallelism: `moe train` on 1, 2 and 4 MPI ranks (experts divided
 // among ranks, tokens exchanged by alltoallv, gradients summed by allreduce) computes the same
 // mathematics as one process on the same global batch: the same loss trajectory and the same final
 // parameters, at float tolerance. Also: resuming with a different rank count, mismatched ranks.
@@ -113,7 +113,7 @@ std::vector<nlohmann::json> step_metrics(const fs::path& path) {
   return out;
 }
 
-// DESIGN invariant 1 across strategies: Hecate (sparse materialization before the gate, calibration
+// Invariant 1 across strategies: Hecate (sparse materialization before the gate, calibration
 // after it, with and without re-materialization) and FasterMoE (shadowing after the gate) move expert
 // weights and tokens to other ranks than EP does, and must still train the same model. The router
 // skew makes the load uneven enough that both really replicate (asserted from their metrics).
@@ -418,6 +418,41 @@ TEST_F(Distributed, AFailingRankStopsTheJobNamingIt) {
     EXPECT_LT(seconds, 60) << "the job must end within the timeout, not hang";
     EXPECT_EQ(r.output.find("step     6/6"), std::string::npos) << r.output;
   }
+}
+
+// A NaN in one rank's gradient (MOE_FAULT=nan:1:3: after step 3's gradient sums, rank 1's first expert
+// weight gradient) is found on every rank and named. --on-nonfinite stop (the default): the job stops
+// before the optimizer and the checkpoint of step 2 stays intact and resumable; skip: step 3's update
+// is skipped, training goes on, the metrics say which step.
+TEST_F(Distributed, ANonFiniteGradientIsNamedAndHandledAsConfigured) {
+  const std::string args = model_flags() + "--steps 5 ";
+  const fs::path ck = dir_ / "nan_ck";
+  TrainRun stop = train(2, args + "--checkpoint-dir " + ck.string() + " --checkpoint-every 2", "MOE_FAULT=nan:1:3");
+  EXPECT_NE(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(stop.output.find("step 3: non-finite gradient of blocks.0.moe.w1 on rank 1"), std::string::npos)
+      << stop.output;
+  EXPECT_EQ(stop.output.find("step     3/5"), std::string::npos) << "step 3 must not have finished\n" << stop.output;
+  TrainRun resumed = train(2, args + "--resume " + ck.string());
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("step     5/5"), std::string::npos) << resumed.output;
+
+  const fs::path metrics = dir_ / "nan_skip.jsonl";
+  TrainRun skip = train(2, args + "--on-nonfinite skip --metrics " + metrics.string(), "MOE_FAULT=nan:1:3");
+  EXPECT_EQ(skip.exit_code, 0) << skip.output;
+  EXPECT_NE(skip.output.find("step 3 skipped: non-finite gradient of blocks.0.moe.w1 on rank 1"), std::string::npos)
+      << skip.output;
+  EXPECT_NE(skip.output.find("1 step(s) skipped"), std::string::npos) << skip.output;
+  std::ifstream in(metrics);
+  std::vector<int64_t> skipped;
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("skipped")) continue;
+    ++steps;
+    if (j["skipped"].get<bool>()) skipped.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, 5);
+  EXPECT_EQ(skipped, std::vector<int64_t>{3});
 }
 
 // Same run, same numbers: `moe train --ranks 2 --steps 20 --seed 1` (the default model and corpus, no

@@ -2,7 +2,7 @@
 // into expert-contiguous rows (stable: rows of one expert are in increasing token order), with
 // capacity dropping in the GLOBAL order of moe_layer.h: all first choices in token order, then all
 // second choices, ... So which assignments are dropped depends only on the batch, never on how ranks
-// split it (DESIGN invariant 1). O(N*K + E*K), no allocation once routing_reserve has run.
+// split it (invariant 1, docs/architecture.md). O(N*K + E*K), no allocation once routing_reserve has run.
 #pragma once
 
 #include <cstdint>

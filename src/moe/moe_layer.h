@@ -18,7 +18,7 @@
 //   gradient itself.
 //   Capacity (capacity_factor > 0): each expert keeps at most ceil(cf * N * K / E) assignments,
 //   filled in global order: all first choices in token order, then all second choices, ...
-//   (defined on the whole batch, so it does not depend on how ranks split it: DESIGN invariant 1).
+//   (defined on the whole batch, so it does not depend on how ranks split it: invariant 1, docs/architecture.md).
 #pragma once
 
 #include <atomic>
@@ -108,8 +108,8 @@ class MoeLayer {
   // batch ranks than ep ranks, each ep group is one replica of the experts (comm::Groups: ep groups
   // of consecutive ranks) and the caller sums expert gradients over the replicas.
   // Aux and z losses, f_e, P_e and capacity dropping are those of the global batch (the same numbers
-  // on every rank), so the mathematics is that of one process running the whole batch (DESIGN
-  // invariant 1).
+  // on every rank), so the mathematics is that of one process running the whole batch (invariant 1,
+  // docs/architecture.md).
   // Parameters: with P > 1, w1, w2, w3 keep only this rank's experts (Param::sharded, rows
   // [rank*E/P, ...) of the full tensors, sliced from the current values; after reshard() the experts
   // Param::shard_rows lists); the router stays whole.
@@ -166,7 +166,7 @@ class MoeLayer {
   // plan::dispatch_plan sends them (a replica on the token's rank, else on its node, else any, spread
   // evenly); a replica's weights come from its owner by SparseAllGather (ep_materialize) and its
   // gradient goes back, summed into the owner's, by SparseReduceScatter (ep_reduce_replica_grads).
-  // The mathematics is that of EP (DESIGN invariant 1); only rows move and the order of some float
+  // The mathematics is that of EP (invariant 1, docs/architecture.md); only rows move and the order of some float
   // sums changes. Without extra replicas and re-sharding the step is EP's, bit for bit.
   // REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks (one copy of every expert over the
   // batch group); nodes has one entry per ep rank; called before the first step.

@@ -3,7 +3,7 @@
 // alpha-beta fit of ping-pong times over the world communicator, and the expert GEMM rate of the
 // job's pinned kernel on this run's expert shapes. Every rank measures; the ranks then agree on one
 // set (the mean over the ranks that measured a figure, from one allreduce, so the doubles are the
-// same bits everywhere), because every rank must plan identically (DESIGN invariant 2).
+// same bits everywhere), because every rank must plan identically (invariant 2, docs/architecture.md).
 //
 // Thread safety: none; call between steps, from the training thread (the lanes idle).
 #pragma once

@@ -40,6 +40,10 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;   // also every N steps; the final one is always written if dir set
   std::string resume;             // checkpoint directory to resume from
   int64_t stop_at_step = 0;       // stop early at this step (checkpoint written), schedule unchanged; 0 = run to steps
+  // A non-finite loss or gradient (found on every rank, named: step, parameter, rank): "stop" before
+  // the optimizer, with an error (the last checkpoint is kept as it was), or "skip" the step's
+  // optimizer update and go on (at most 10 steps in a row, then stop).
+  std::string on_nonfinite = "stop";
   int threads = 0;                // compute threads per rank; 0 = this rank's CPUs (its affinity mask)
                                   // shared among the ranks whose masks overlap on this machine
   std::string gemm = "auto";      // GEMM kernel: "onednn", "openblas", or "auto" (rank 0 measures both,

@@ -90,6 +90,19 @@ Status inject(const Fault& f, int rank, int64_t step) {
   if (f.kind == "error") return Status::error("injected fault (MOE_FAULT) at step " + std::to_string(step));
   return Status::ok();
 }
+// MOE_FAULT=nan:R:S: after step S's gradient sums, rank R's gradient of its first expert weight (or,
+// without MoE layers, its first parameter) gets one NaN, as an overflow in a backward would leave it.
+void inject_nan(const Fault& f, int rank, int64_t step, Model& model) {
+  if (f.kind != "nan" || f.rank != rank || f.step != step) return;
+  std::vector<Param*> params = model.params();
+  Param* target = params.front();
+  for (Param* p : params)
+    if (p->name.find("moe.w1") != std::string::npos) {
+      target = p;
+      break;
+    }
+  target->grad.data()[0] = std::numeric_limits<float>::quiet_NaN();
+}
 
 bool started_by_mpirun() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
@@ -192,6 +205,7 @@ Status choose_gemm(const TrainConfig& cfg, const json& resumed_state, Ranks& ran
 // What one step measured, averaged or gathered over the ranks (the metrics line and the progress line).
 struct StepFigures {
   double loss = 0, grad_norm = 0, seconds = 0;
+  bool skipped = false;  // a non-finite loss or gradient: the optimizer did not run (--on-nonfinite skip)
   float lr = 0;
   // Over ranks, mean: compute, exposed communication, communication, allreduce, its hidden part, and
   // the mean attn_fwd op (ms).
@@ -244,6 +258,7 @@ class TrainingRun {
   Status gather_loads(StepLoads* out);
   void refresh_costs(const StepFigures& f, const StepLoads& l);
   Status refresh_links(int64_t done);
+  Status check_finite(int64_t step, StepFigures* f);
   void write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved);
   void print_progress(int64_t done, const StepFigures& f, const StepLoads& l);
   Status save(int64_t step);
@@ -282,6 +297,10 @@ class TrainingRun {
   int overlap_used_ = 0;  // Hecate's t in this step
   double last_val_ = std::nan("");
   double window_loss_ = 0, window_seconds_ = 0, window_exposed_ms_ = 0;  // since the last progress line
+  int64_t window_losses_ = 0;  // steps of the window with a finite loss (skipped ones have none)
+  static constexpr int kMaxSkippedInARow = 10;
+  int skipped_in_a_row_ = 0;
+  int64_t skipped_steps_ = 0;
   int64_t window_steps_ = 0;
 };
 
@@ -494,10 +513,9 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
     if (Status s = ranks_.sum(&f->loss, 1); !s) return s;
     f->loss /= ranks_.size;
   }
-  if (!std::isfinite(f->loss) || !std::isfinite(model_->moe_loss()))
-    return Status::error("training diverged: loss is " + std::to_string(f->loss) + " at step " +
-                         std::to_string(step + 1) + " (try a lower --lr)");
-  // The optimizer: expert shards' squared norms summed over the ep group.
+  inject_nan(fault_, ranks_.rank, step + 1, *model_);
+  // The optimizer: expert shards' squared norms summed over the ep group (a non-finite gradient makes
+  // the norm non-finite, and then nothing is scaled).
   Status norm_status;
   auto sum_over_shards = [&](double x) {
     if (ranks_.world && norm_status) norm_status = ranks_.groups.ep->allreduce(&x, 1);
@@ -508,9 +526,55 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
       sum_over_shards);
   if (!norm_status) return norm_status;
   f->lr = lr_at(step, cfg_.steps, cfg_.warmup_steps, static_cast<float>(cfg_.lr), static_cast<float>(cfg_.min_lr));
-  opt_->step(f->lr);
+  if (Status s = check_finite(step + 1, f); !s) return s;
+  if (!f->skipped) opt_->step(f->lr);
   f->seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return Status::ok();
+}
+
+// A non-finite loss or gradient on any rank, before the optimizer: every rank learns which (the
+// lowest rank's first parameter in params() order) and all decide alike (--on-nonfinite). The scan of
+// the gradients runs only where this rank's loss or gradient norm is not finite.
+Status TrainingRun::check_finite(int64_t step, StepFigures* f) {
+  const std::vector<Param*> params = model_->params();
+  const bool loss_bad = !std::isfinite(f->loss) || !std::isfinite(model_->moe_loss());
+  double mine[2] = {-1, loss_bad ? 1.0 : 0.0};  // first parameter with a non-finite gradient; loss
+  if (!std::isfinite(f->grad_norm))
+    for (size_t i = 0; i < params.size() && mine[0] < 0; ++i) {
+      const float* g = params[i]->grad.data();
+      for (size_t k = 0; k < params[i]->grad.numel(); ++k)
+        if (!std::isfinite(g[k])) {
+          mine[0] = static_cast<double>(i);
+          break;
+        }
+    }
+  std::vector<double> all(mine, mine + 2);
+  if (ranks_.world) {
+    all.assign(2 * ranks_.size, 0);
+    if (Status s = ranks_.world->allgather(mine, 2, all.data()); !s) return s;
+  }
+  std::string what;
+  for (int r = 0; r < ranks_.size && what.empty(); ++r)
+    if (all[2 * r] >= 0)
+      what = "gradient of " + params[static_cast<size_t>(all[2 * r])]->name + " on rank " + std::to_string(r);
+  for (int r = 0; r < ranks_.size && what.empty(); ++r)
+    if (all[2 * r + 1] > 0) what = "loss (" + std::to_string(f->loss) + ", router losses " +
+                                   std::to_string(model_->moe_loss()) + ") on rank " + std::to_string(r);
+  if (what.empty()) {
+    skipped_in_a_row_ = 0;
+    return Status::ok();
+  }
+  if (cfg_.on_nonfinite == "skip" && skipped_in_a_row_ < kMaxSkippedInARow) {
+    ++skipped_in_a_row_, ++skipped_steps_;
+    f->skipped = true;
+    say("step %lld skipped: non-finite %s; the optimizer did not run (--on-nonfinite skip)\n", (long long)step,
+        what.c_str());
+    return Status::ok();
+  }
+  return Status::error("step " + std::to_string(step) + ": non-finite " + what +
+                       (skipped_in_a_row_ > 0 ? " after " + std::to_string(skipped_in_a_row_) + " skipped steps in a row" : "") +
+                       "; stopped before the optimizer (the weights are those after step " + std::to_string(step - 1) +
+                       ", the last checkpoint is kept as it was; try a lower --lr, or --on-nonfinite skip)");
 }
 
 Status TrainingRun::trace_step(int64_t step) {
@@ -628,6 +692,7 @@ void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLo
                   {"z_loss", model_->z_loss()},
                   {"lr", f.lr},
                   {"grad_norm", f.grad_norm},
+                  {"skipped", f.skipped},
                   {"step_ms", f.seconds * 1e3},
                   {"tokens_per_s", B_ * T_ / f.seconds},
                   {"compute_ms", f.compute_ms},
@@ -679,17 +744,19 @@ void TrainingRun::print_progress(int64_t done, const StepFigures& f, const StepL
                   100.0 * window_exposed_ms_ / (1e3 * window_seconds_));
     rank_load = buf;
   }
-  say("step %5lld/%lld  loss %.4f  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
-      (long long)done, (long long)cfg_.steps, window_loss_ / window_steps_,
+  char loss[32] = "skipped";  // every step of the window skipped (--on-nonfinite skip)
+  if (window_losses_ > 0) std::snprintf(loss, sizeof loss, "%.4f", window_loss_ / window_losses_);
+  say("step %5lld/%lld  loss %s  aux/layer %.3f  lr %.2e  |g| %.2f  %7.0f tok/s  load max/mean %s%s\n",
+      (long long)done, (long long)cfg_.steps, loss,
       model_->aux_loss() / std::max<size_t>(1, l.loads.size()), f.lr, f.grad_norm,
       window_steps_ * B_ * T_ / window_seconds_, load_imbalance_line(l.loads).c_str(), rank_load.c_str());
   window_loss_ = window_seconds_ = window_exposed_ms_ = 0;
-  window_steps_ = 0;
+  window_steps_ = window_losses_ = 0;
 }
 
 // After the optimizer: the step's loads, the strategy's learning and re-sharding, metrics, progress.
 Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
-  window_loss_ += f.loss;
+  if (!f.skipped) window_loss_ += f.loss, ++window_losses_;
   window_seconds_ += f.seconds;
   window_exposed_ms_ += f.exposed_comm_ms;
   ++window_steps_;
@@ -719,7 +786,11 @@ Status TrainingRun::evaluate_and_save(int64_t done) {
       [&](int64_t step) { return save(step); }, &last_val_);
 }
 
-void TrainingRun::finish() { say("%s", training_end_message(cfg_, end_, last_val_, ds_.unigram_entropy()).c_str()); }
+void TrainingRun::finish() {
+  if (skipped_steps_ > 0)
+    say("%lld step(s) skipped for a non-finite loss or gradient (--on-nonfinite skip)\n", (long long)skipped_steps_);
+  say("%s", training_end_message(cfg_, end_, last_val_, ds_.unigram_entropy()).c_str());
+}
 
 Status train(const TrainConfig& cfg, Ranks& ranks) {
   TrainingRun run(cfg, ranks);
@@ -842,7 +913,8 @@ json resume_identity(const TrainConfig& c) {
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "reshard_every", "device", "dtype"})
+                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "on_nonfinite", "reshard_every", "device",
+                        "dtype"})
     j.erase(k);
   return j;
 }

@@ -1,7 +1,7 @@
 // Start here for strategies. A training strategy decides where each MoE layer's experts live during
 // a step: which rank owns each expert's shard (weights and optimizer state), which ranks hold a
 // temporary replica, and which step-graph options its exchanges need. Every strategy computes the
-// same mathematics (DESIGN invariant 1); they differ in which ranks run which tokens and in what
+// same mathematics (invariant 1, docs/architecture.md); they differ in which ranks run which tokens and in what
 // moves over the network.
 //
 // One object per strategy, registered once (registry()): the trainer (runtime/strategy.h applies its
@@ -12,7 +12,7 @@
 //
 // Order of calls in a step: before_step (per MoE layer) -> after_gate (per MoE layer, once its gate
 // has run) -> observe (the step's global loads) -> reshard. Every rank holds the same Strategy state
-// fed the same all-reduced loads, so every rank decides the same (DESIGN invariant 2).
+// fed the same all-reduced loads, so every rank decides the same (invariant 2, docs/architecture.md).
 // Thread safety: none; one thread calls a Strategy at a time.
 #pragma once
 
