@@ -194,6 +194,33 @@ TEST_F(CliTest, CheckpointOfAnotherShapeRejected) {
   expect_rejected(tiny() + "--experts 8 --steps 4 --resume " + (dir_ / "ck").string(), "blocks.0.moe");
 }
 
+// A checkpoint that cannot be written (here: past a 20 KiB file-size limit, as a full disk would stop
+// it) gives one error naming the file and why, leaves no staging folder, and keeps the previous
+// checkpoint loadable; with --on-checkpoint-error continue the run goes on and says so.
+TEST_F(CliTest, AFailedCheckpointWriteKeepsThePreviousOne) {
+  const fs::path ck = dir_ / "ck";
+  const std::string args = tiny() + "--steps 4 --checkpoint-dir " + ck.string();
+  Result first = run_moe("train " + args + " --stop-at-step 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string limited = "bash -c 'ulimit -f 20; " + std::string(MOE_BIN) + " train " + args + " --resume " +
+                              ck.string();
+  Result stop = moe::run_shell(limited + "'");
+  EXPECT_NE(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(stop.output.find("File too large"), std::string::npos) << stop.output;
+  EXPECT_NE(stop.output.find("the previous checkpoint in " + ck.string() + ", if any, is kept as it was"),
+            std::string::npos)
+      << stop.output;
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_EQ(e.path().filename().string().find("ck.tmp"), std::string::npos) << "left behind: " << e.path();
+  Result goes_on = moe::run_shell(limited + " --on-checkpoint-error continue'");
+  EXPECT_EQ(goes_on.exit_code, 0) << goes_on.output;
+  EXPECT_NE(goes_on.output.find("checkpoint: step 4 not written"), std::string::npos) << goes_on.output;
+  EXPECT_NE(goes_on.output.find("training goes on"), std::string::npos) << goes_on.output;
+  Result resumed = run_moe("train " + args + " --resume " + ck.string());  // step 2's checkpoint, intact
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("step     4/4"), std::string::npos) << resumed.output;
+}
+
 // Every benchmark prints through bench/report.h: one header block, tables whose columns carry units,
 // notes; --json the same as one document. `moe bench sim` is the quickest to run.
 TEST(BenchReport, OneFormatInTextAndJson) {

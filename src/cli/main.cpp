@@ -1,5 +1,6 @@
 // The `moe` command: train, bench, sim. Each subcommand validates everything before any work and
 // exits non-zero with one clear message on bad input.
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -9,6 +10,9 @@
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // A write past a file-size limit (ulimit -f, a quota) then fails with EFBIG, which the checkpoint
+  // writer reports and recovers from, instead of killing the process with SIGXFSZ mid-write.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"moe: Mixture-of-Experts training on real ranks (see README.md)"};
   app.require_subcommand(1);
   moe::cli::TrainFlags train;

@@ -116,6 +116,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--checkpoint-every", &TrainConfig::checkpoint_every, "checkpoint every N steps too");
   bind_flag(c, f, "--resume", &TrainConfig::resume, "resume from checkpoint DIR");
   bind_flag(c, f, "--stop-at-step", &TrainConfig::stop_at_step, "stop at step N with a checkpoint (schedule unchanged)");
+  bind_flag(c, f, "--on-checkpoint-error", &TrainConfig::on_checkpoint_error,
+            "a checkpoint that cannot be written (disk full, read-only): stop, or continue and try again at the "
+            "next one; the previous checkpoint is kept either way");
   bind_flag(c, f, "--on-nonfinite", &TrainConfig::on_nonfinite,
             "a NaN or Inf in the loss or a gradient: stop (before the optimizer; the last checkpoint is kept) or skip "
             "the step's update (at most 10 in a row)");

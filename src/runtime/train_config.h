@@ -44,6 +44,10 @@ struct TrainConfig {
   // the optimizer, with an error (the last checkpoint is kept as it was), or "skip" the step's
   // optimizer update and go on (at most 10 steps in a row, then stop).
   std::string on_nonfinite = "stop";
+  // A checkpoint that cannot be written (disk full, a file-size limit, a read-only folder): "stop"
+  // with its error, or "continue" training and try again at the next checkpoint. Either way the
+  // previous checkpoint is kept as it was (checkpoints are installed whole or not at all).
+  std::string on_checkpoint_error = "stop";
   int threads = 0;                // compute threads per rank; 0 = this rank's CPUs (its affinity mask)
                                   // shared among the ranks whose masks overlap on this machine
   std::string gemm = "auto";      // GEMM kernel: "onednn", "openblas", or "auto" (rank 0 measures both,

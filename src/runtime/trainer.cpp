@@ -881,7 +881,18 @@ Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end
     metrics.write({{"step", done}, {"val_loss", *last_val}});
   }
   if (!cfg.checkpoint_dir.empty() && ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || last)) {
-    if (Status s = save(done); !s) return s;
+    if (Status s = save(done); !s) {
+      const std::string why = s.message() + " (the previous checkpoint in " + cfg.checkpoint_dir +
+                              ", if any, is kept as it was)";
+      if (cfg.on_checkpoint_error != "continue") return Status::error(why);
+      if (speak) {
+        std::printf("checkpoint: step %lld not written: %s; training goes on (--on-checkpoint-error continue)\n",
+                    (long long)done, why.c_str());
+        std::fflush(stdout);
+      }
+      metrics.write({{"step", done}, {"checkpoint_error", why}});
+      return Status::ok();
+    }
     if (speak) {
       std::printf("checkpoint: step %lld written to %s\n", (long long)done, cfg.checkpoint_dir.c_str());
       std::fflush(stdout);
@@ -913,7 +924,7 @@ json resume_identity(const TrainConfig& c) {
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "on_nonfinite", "reshard_every", "device",
+                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "on_nonfinite", "on_checkpoint_error", "reshard_every", "device",
                         "dtype"})
     j.erase(k);
   return j;
