@@ -136,11 +136,17 @@ bool run_peer(const std::string& coretype, int threads, int repeats, double* fwd
 
 int moe_layer(const BenchOptions& opt) {
   omp_set_num_threads(opt.threads);
+  // One kernel for the whole bench, chosen as `moe train` chooses it (the best of interleaved rounds
+  // on the expert shapes, OpenBLAS only when clearly faster), not by gemm()'s one lazy timing, which
+  // a noisy moment can flip.
+  const GemmRates rates = measure_gemm_backends(expert_gemm_shapes(kN * kK / kE, kC, kF), 7);
+  pin_gemm_backend(pick_gemm_backend(rates), describe_gemm_rates(rates));
   Report report("moe-layer",
                 "one MoE layer on this CPU: d_model " + std::to_string(kC) + ", d_ffn " + std::to_string(kF) + ", " +
                     std::to_string(kE) + " experts, top-" + std::to_string(kK) + ", " + std::to_string(kN) +
                     " tokens, GELU; median of " + std::to_string(opt.repeats),
                 opt, /*uses_gemm=*/true);
+  report.note("GEMM kernel: " + gemm_backend());
   // A row: time, tokens/s, GFLOP/s (NaN where the column does not apply) and what it is measured against.
   const double nan = std::nan("");
   auto row = [&](const std::string& name, double ms, double tokens_per_s, double gflops, const std::string& note) {
