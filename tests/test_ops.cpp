@@ -991,7 +991,9 @@ TEST(Ops, AdamwClosedForm) {
         rp[i] = rp[i] * (1.0 - double(lr) * wd) - lr * mhat / (std::sqrt(vhat) + eps);
       }
       std::string what = "step" + std::to_string(t) + (wd > 0 ? " wd" : "");
-      expect_close("adamw_update", what + " m", m, rm, {1e-9, 2e-6});
+      // m sums terms of ~0.1 |g| that can cancel to ~1e-3: a few float ulps of the terms (~3e-8)
+      // absolute; the debug build (no FMA contraction) rounds each product apart and needs it.
+      expect_close("adamw_update", what + " m", m, rm, {3e-8, 2e-6});
       expect_close("adamw_update", what + " v", v, rv, {1e-12, 2e-6});
       expect_close("adamw_update", what + " p", p, rp, {2e-7, 2e-6});
     }
