@@ -216,20 +216,10 @@ TEST(EpBuilder, ReplicaGathersNeedOneExpertParallelGroup) {
 TEST(StepBuilder, ChunkedDispatchPipelinesWithTheExperts) {
   const moe::ModelConfig cfg = small_model();
   const moe::graph::EpStepOptions opt{2, 2, 4, 4096};
-  moe::graph::StepBuilder b(cfg, opt);
-  int x = b.embed_forward();
-  for (int64_t l = 0; l < cfg.n_layers; ++l) {
-    x = b.attention_forward(l, x);
-    if (!b.expert_parallel(l)) {
-      x = b.ffn_forward(l, x);
-      continue;
-    }
-    x = b.combine(l, b.experts_forward(l, b.dispatch(l, b.gate(l, x), 3)));
-  }
-  x = b.head(x);
-  for (int64_t l = cfg.n_layers - 1; l >= 0; --l) x = b.block_backward(l, x);
-  b.embed_backward(x);
-  const moe::graph::EpStep s = b.finish();
+  using moe::graph::StepBuilder;
+  const moe::graph::EpStep s = StepBuilder(cfg, opt).compose([](StepBuilder& b, int64_t l, int x) {
+    return b.combine(l, b.experts_forward(l, b.dispatch(l, b.gate(l, x), 3)));
+  });
   const moe::graph::EpStep ep = moe::graph::build_ep_step(cfg, opt);
   ASSERT_EQ(s.buckets.size(), ep.buckets.size());
   for (size_t i = 0; i < s.buckets.size(); ++i) EXPECT_EQ(s.buckets[i].params, ep.buckets[i].params);

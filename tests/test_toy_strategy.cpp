@@ -24,7 +24,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <numeric>
 #include <optional>
 #include <regex>
 #include <string>
@@ -50,23 +49,11 @@ namespace strategy = moe::strategy;
 // planned before the step gathered behind the attention), from graph/step_builder.h's pieces.
 moe::graph::EpStep chunked_step(const moe::ModelConfig& model, const moe::graph::EpStepOptions& opt, int chunks,
                                 bool gather) {
-  moe::graph::StepBuilder b(model, opt);
-  int x = b.embed_forward();
-  for (int64_t l = 0; l < model.n_layers; ++l) {
-    x = b.attention_forward(l, x);
-    if (!b.expert_parallel(l)) {
-      x = b.ffn_forward(l, x);
-      continue;
-    }
+  return moe::graph::StepBuilder(model, opt).compose([=](moe::graph::StepBuilder& b, int64_t l, int x) {
     const int replicas = gather ? b.replica_gather(l) : -1;
     x = b.gate(l, x);
-    x = b.experts_forward(l, b.dispatch(l, x, chunks), {replicas});
-    x = b.combine(l, x);
-  }
-  x = b.head(x);
-  for (int64_t l = model.n_layers - 1; l >= 0; --l) x = b.block_backward(l, x);
-  b.embed_backward(x);
-  return b.finish();
+    return b.combine(l, b.experts_forward(l, b.dispatch(l, x, chunks), {replicas}));
+  });
 }
 
 class MirrorHot : public strategy::Strategy {
@@ -103,10 +90,6 @@ class TwoChunkEp : public strategy::Strategy {
  public:
   const char* name() const override { return "ep-2chunk"; }
   bool uses_placements() const override { return false; }
-  moe::Status ep_size(const moe::ModelConfig& model, int world, int* out) const override {
-    *out = static_cast<int>(std::gcd<int64_t>(model.n_experts, world));
-    return moe::Status::ok();
-  }
   moe::graph::EpStep build_step(const moe::ModelConfig& model, const moe::graph::EpStepOptions& opt) const override {
     return chunked_step(model, opt, 2, false);
   }

@@ -27,8 +27,8 @@
 namespace moe::graph {
 
 // Pure: the graph for cfg and opt (the same on every rank up to sizes filled in at run time):
-// embed_forward, block_forward per block, head, block_backward per block from the last,
-// embed_backward. REQUIRES: those of StepBuilder (std::invalid_argument otherwise).
+// StepBuilder::compose with StepBuilder::moe_forward. REQUIRES: those of StepBuilder
+// (std::invalid_argument otherwise).
 EpStep build_ep_step(const ModelConfig& cfg, const EpStepOptions& opt);
 
 }  // namespace moe::graph

@@ -202,9 +202,7 @@ int StepBuilder::combine(int64_t l, int x) {
   return compute(OpKind::combine_fwd, l, {x}, 2 * N_ * K_ * C_, 4 * (N_ * K_ * C_ + 2 * N_ * C_));
 }
 
-int StepBuilder::block_forward(int64_t l, int x) {
-  x = attention_forward(l, x);
-  if (!expert_parallel(l)) return ffn_forward(l, x);
+int StepBuilder::moe_forward(int64_t l, int x) {
   const int gather = opt_.gather_before_gate ? replica_gather(l) : -1;
   x = gate(l, x);
   int placed = -1;
@@ -278,6 +276,18 @@ void StepBuilder::embed_backward(int x) {
   allreduce(GradBucket{"embeddings", Group::world, {"wte.weight", "wpe.weight"},
                        (cfg_.vocab_size + cfg_.seq_len) * cfg_.d_model},
             x);
+}
+
+EpStep StepBuilder::compose(const MoeForward& moe) {
+  int x = embed_forward();
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    x = attention_forward(l, x);
+    x = expert_parallel(l) ? moe(*this, l, x) : ffn_forward(l, x);
+  }
+  x = head(x);
+  for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) x = block_backward(l, x);
+  embed_backward(x);
+  return finish();
 }
 
 EpStep StepBuilder::finish() {

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -101,8 +102,8 @@ class StepBuilder {
   // after `before` (ids < 0 ignored: replica gathers). Returns the last.
   int experts_forward(int64_t l, const std::vector<int>& arrived, const std::vector<int>& before = {});
   int combine(int64_t l, int x);      // combine_a2a, combine_fwd
-  // The standard block: attention, then the FFN or EP's MoE pieces with the options' gathers.
-  int block_forward(int64_t l, int x);
+  // EP's MoE block after its attention: the options' gathers, gate, dispatch, experts, combine.
+  int moe_forward(int64_t l, int x);
   int head(int x);                    // head_fwd, head_bwd, the head's gradient bucket
 
   // ---- backward ----
@@ -115,6 +116,13 @@ class StepBuilder {
   // The graph, validated (std::logic_error naming the op when a composition broke a rule of
   // step_graph.h). The builder is spent.
   EpStep finish();
+
+  // A whole step in which only the expert-parallel blocks' forward after their attention is the
+  // caller's (moe(builder, l, x) returns its last op): embed_forward; per block attention_forward,
+  // then ffn_forward or moe; head; block_backward per block from the last; embed_backward; finish.
+  // build_ep_step is compose with moe_forward. The builder is spent.
+  using MoeForward = std::function<int(StepBuilder&, int64_t l, int x)>;
+  EpStep compose(const MoeForward& moe);
 
  private:
   int compute(OpKind kind, int64_t layer, std::vector<int> deps, double flops, double bytes);

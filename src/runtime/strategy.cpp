@@ -5,6 +5,8 @@
 #include <optional>
 #include <stdexcept>
 
+#include "runtime/measure_costs.h"
+
 namespace moe::runtime {
 
 Strategy::Strategy(const TrainConfig& cfg)
@@ -80,10 +82,11 @@ void Strategy::refresh_links(const strategy::LinkCost& intra_node, const strateg
     now->bandwidth = 0.5 * now->bandwidth + 0.5 * measured.bandwidth;
     now->latency = 0.5 * now->latency + 0.5 * measured.latency;
   };
-  fold(&cost_.intra_node, intra_node);
-  fold(&cost_.inter_node, inter_node);
-  const strategy::LinkCost& slowest = nodes_.n_nodes() > 1 ? cost_.inter_node : cost_.intra_node;
-  if (slowest.bandwidth > 0) cost_.bandwidth = cost_.overlap_bandwidth = slowest.bandwidth;
+  RawCosts folded{cost_.intra_node, cost_.inter_node, cost_.gemm_flops};
+  fold(&folded.intra_node, intra_node);
+  fold(&folded.inter_node, inter_node);
+  // The rest follows by start-up's rule (the GEMM rate as it is now).
+  cost_ = cost_model_from(cfg_.model, folded, nodes_, 0, 0);
   impl_->update_cost(cost_);
 }
 

@@ -8,8 +8,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "plan/placement.h"
-
 #include "util/str_cat.h"
 
 namespace moe::sim {
@@ -199,6 +197,11 @@ StepLoad Load::step(int64_t step) const {
   return out;
 }
 
+std::vector<std::vector<int>> op_exchange_chunks(const graph::Op& op, const plan::LayerPlacement& holders) {
+  const bool chunked = op.n_micro > 1 && (op.kind == OpKind::dispatch_a2a || op.kind == OpKind::expert_fwd);
+  return chunked ? plan::exchange_chunks(holders, op.n_micro) : std::vector<std::vector<int>>{};
+}
+
 void fill_ep_costs(const ModelConfig& cfg, const graph::EpStepOptions& opt, const StepLoad& load, int rank,
                    graph::StepGraph* g) {
   if (graph::gathers_replicas(opt)) throw std::logic_error("sim::fill_ep_costs: placement options are not modeled");
@@ -226,11 +229,7 @@ void fill_ep_costs(const ModelConfig& cfg, const graph::EpStepOptions& opt, cons
     if (opt.padded_exchange)
       for (int j = 0; j < G; ++j)
         for (int64_t e = 0; e < E; ++e) slots = std::max(slots, t[(group0 + j) * E + e]);
-    // A chunked dispatch and its experts (graph::StepBuilder::dispatch): chunk op.micro's experts only.
-    const std::vector<std::vector<int>> chunk =
-        op.n_micro > 1 && (op.kind == OpKind::dispatch_a2a || op.kind == OpKind::expert_fwd)
-            ? plan::exchange_chunks(plan::even_placement(static_cast<int>(E), G), op.n_micro)
-            : std::vector<std::vector<int>>{};
+    const std::vector<std::vector<int>> chunk = op_exchange_chunks(op, plan::even_placement(static_cast<int>(E), G));
     auto in_chunk = [&](int j, int64_t e) { return chunk.empty() || chunk[j][e] == op.micro; };
     // Rows this rank sends to ep rank j, and rows ep rank j sends here.
     auto sent = [&](int j) {

@@ -34,6 +34,7 @@
 
 #include "graph/ep_builder.h"
 #include "model/config.h"
+#include "plan/placement.h"
 #include "util/status.h"
 
 namespace moe::sim {
@@ -73,6 +74,11 @@ class Load {
   std::vector<int> moe_blocks_;  // block index of MoE layer i
   std::vector<std::vector<std::vector<int64_t>>> recorded_;  // [step][layer][e], global counts
 };
+
+// When `op` is one chunk of a dispatch cut in chunks, or the expert_fwd of one (n_micro > 1): the
+// chunk of each (rank, expert) pair over `holders` (plan::exchange_chunks), so its sizes count chunk
+// op.micro's experts only; empty for every other op (all experts count).
+std::vector<std::vector<int>> op_exchange_chunks(const graph::Op& op, const plan::LayerPlacement& holders);
 
 // Writes into `g` (a graph of a strategy's step for opt, built from graph/step_builder.h's pieces,
 // for rank `rank`) the sizes the runtime fills in when the gate has run, from `load` (one step):

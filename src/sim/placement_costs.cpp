@@ -173,11 +173,7 @@ void fill_placement_costs(const ModelConfig& cfg, const graph::EpStepOptions& op
   for (graph::Op& op : g->ops) {
     if (op.layer < 0 || moe_index[op.layer] < 0 || R == 1) continue;
     const LayerStepPlacement& l = layers[moe_index[op.layer]];
-    // A chunked dispatch and its experts (graph::StepBuilder::dispatch): chunk op.micro's experts only.
-    const std::vector<std::vector<int>> chunk =
-        op.n_micro > 1 && (op.kind == OpKind::dispatch_a2a || op.kind == OpKind::expert_fwd)
-            ? plan::exchange_chunks(l.placed, op.n_micro)
-            : std::vector<std::vector<int>>{};
+    const std::vector<std::vector<int>> chunk = op_exchange_chunks(op, l.placed);
     auto in_chunk = [&](int d, int64_t e) { return chunk.empty() || chunk[d][e] == op.micro; };
     auto sent_to = [&](int d) {  // rows this rank sends to d
       int64_t n = 0;

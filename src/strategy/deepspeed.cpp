@@ -6,8 +6,6 @@
 // Deviation: with --capacity-factor, DeepSpeed drops per rank (capacity cf * local tokens * K / E,
 // slots of that size); here dropping follows the global rule every strategy shares (moe/moe_layer.h),
 // so deepspeed computes ep's mathematics (invariant 1) and only its exchange and expert sizes differ.
-#include <numeric>
-
 #include "strategy/strategy.h"
 
 namespace moe::strategy {
@@ -17,10 +15,6 @@ class DeepSpeed : public Strategy {
  public:
   const char* name() const override { return "deepspeed"; }
   bool uses_placements() const override { return false; }
-  Status ep_size(const ModelConfig& model, int world, int* out) const override {
-    *out = static_cast<int>(std::gcd<int64_t>(model.n_experts, world));
-    return Status::ok();
-  }
   void configure(graph::EpStepOptions* opt) const override { opt->padded_exchange = true; }
 };
 

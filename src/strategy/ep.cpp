@@ -1,8 +1,6 @@
 // ep: static expert parallelism. Expert e lives on rank e / (E / R) of its expert-parallel group
 // (the largest that divides both the experts and the ranks; the other ranks hold data-parallel
 // copies), tokens go to their expert's rank, nothing is placed or moved.
-#include <numeric>
-
 #include "strategy/strategy.h"
 
 namespace moe::strategy {
@@ -12,10 +10,6 @@ class Ep : public Strategy {
  public:
   const char* name() const override { return "ep"; }
   bool uses_placements() const override { return false; }
-  Status ep_size(const ModelConfig& model, int world, int* out) const override {
-    *out = static_cast<int>(std::gcd<int64_t>(model.n_experts, world));
-    return Status::ok();
-  }
 };
 
 }  // namespace

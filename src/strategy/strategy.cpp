@@ -108,6 +108,10 @@ std::string describe(const CostModel& c) {
 }
 
 Status Strategy::ep_size(const ModelConfig& model, int world, int* out) const {
+  if (!uses_placements()) {
+    *out = static_cast<int>(std::gcd<int64_t>(model.n_experts, world));
+    return Status::ok();
+  }
   if (world > 1 && model.n_experts % world != 0)
     return Status::error(str_cat("strategy ", name(), ": n_experts (", model.n_experts,
                                  ") must be a multiple of the ranks (", world, "): each rank owns the same number of expert shards"));

@@ -93,8 +93,10 @@ class Strategy {
   virtual const char* name() const = 0;
   // False for ep alone: no placements, no replicas, the layer's static shards.
   virtual bool uses_placements() const { return true; }
-  // The expert-parallel group size over `world` ranks. Default (placement strategies): one group of
-  // every rank; error when n_experts is not a multiple of world.
+  // The expert-parallel group size over `world` ranks. Default: strategies that place no experts use
+  // the largest group that divides both the experts and the ranks (the other ranks hold data-parallel
+  // copies); placement strategies one group of every rank, an error when n_experts is not a multiple
+  // of world.
   virtual Status ep_size(const ModelConfig& model, int world, int* out) const;
   // Sets this strategy's graph options (gathers before / after the gate, re-materialization).
   virtual void configure(graph::EpStepOptions* opt) const { (void)opt; }
