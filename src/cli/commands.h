@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "runtime/train_config.h"
+#include "serve/generate.h"
 #include "sim/simulate.h"
 
 namespace moe::cli {
@@ -23,6 +24,15 @@ struct TrainFlags {
 };
 CLI::App* add_train_command(CLI::App& app, TrainFlags* flags);
 int run_train(const CLI::App& cmd, TrainFlags& flags);
+
+// `moe generate` (src/cli/generate_command.cpp).
+struct GenerateFlags {
+  serve::GenerateConfig cfg;
+  int ranks = 0;                   // as moe train's --ranks
+  std::vector<std::string> argv;   // the command line, for the mpirun re-run
+};
+CLI::App* add_generate_command(CLI::App& app, GenerateFlags* flags);
+int run_generate(GenerateFlags& flags);
 
 // `moe bench <name>`
 struct BenchFlags {

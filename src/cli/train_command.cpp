@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/launch.h"
 #include "runtime/cpu_threads.h"
 #include "runtime/trainer.h"
 #include "strategy/strategy.h"
@@ -45,33 +46,6 @@ void bind_model_flag(CLI::App* cmd, TrainFlags* f, const std::string& name, T Mo
       cmd->add_option(name, f->cfg.model.*field, help)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   bindings().push_back(
       {o, [field](const TrainConfig& from, TrainConfig* to) { to->model.*field = from.model.*field; }});
-}
-
-// Re-runs this command line under `mpirun -n N`, without --ranks. As root, OpenMPI wants an explicit
-// permission; with more ranks than cores, oversubscription (both only for this job, through its
-// environment).
-int launch_ranks(const TrainFlags& f) {
-  std::vector<std::string> args{"mpirun", "-n", std::to_string(f.ranks)};
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores > 0 && static_cast<unsigned>(f.ranks) > cores) args.push_back("--oversubscribe");
-  if (geteuid() == 0) {
-    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
-    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
-  }
-  args.push_back(self_exe(f.argv.at(0)));
-  for (size_t i = 1; i < f.argv.size(); ++i) {
-    const std::string& a = f.argv[i];
-    if (a == "--ranks") {
-      ++i;  // and its value
-      continue;
-    }
-    if (a.rfind("--ranks=", 0) == 0) continue;
-    args.push_back(a);
-  }
-  exec_command(std::move(args));
-  std::fprintf(stderr, "moe train: --ranks %d: cannot run mpirun (%s); scripts/setup.sh installs OpenMPI\n", f.ranks,
-               std::strerror(errno));
-  return 1;
 }
 
 // libgomp reads its wait policy once, when it loads: by default a thread that finishes its share of a
@@ -203,16 +177,7 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
     std::fprintf(stderr, "moe train: --device cuda trains on one GPU with one rank, not --ranks %d\n", f.ranks);
     return 2;
   }
-  if (f.ranks > 0) {
-    if (const char* size = std::getenv("OMPI_COMM_WORLD_SIZE")) {
-      if (std::atoi(size) != f.ranks) {
-        std::fprintf(stderr, "moe train: --ranks %d, but mpirun started %s ranks\n", f.ranks, size);
-        return 2;
-      }
-    } else if (f.ranks > 1) {
-      return launch_ranks(f);  // returns only on failure
-    }
-  }
+  if (int code = run_under_mpirun(f.argv, f.ranks, "moe train"); code >= 0) return code;
   Status s;
   if (cfg.device == "cuda") {
 #ifdef MOE_HAVE_CUDA

@@ -626,6 +626,10 @@ Status MpiCommunicator::do_reduce_scatter(const void* send, void* recv, int64_t 
   return Status::ok();
 }
 
+bool started_by_mpirun() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
+}
+
 // ---- aborting ----
 
 void abort_job(const Status& error) {

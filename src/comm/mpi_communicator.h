@@ -135,6 +135,10 @@ class MpiCommunicator final : public Communicator {
   std::vector<std::byte> scratch_[2];
 };
 
+// Whether this process is a rank mpirun started (Open MPI's, PMIx's or PMI's environment), so a
+// command joins the job's MPI world instead of running alone.
+bool started_by_mpirun();
+
 // Prints "moe: rank R: <message>" to stderr (once, whether or not the message already starts with
 // "rank R: ") and calls MPI_Abort, which makes mpirun stop every rank with a non-zero exit.
 // Without MPI (not initialised, or finalised) it exits with status 1.

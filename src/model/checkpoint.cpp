@@ -316,6 +316,12 @@ Status state_from(const std::string& dir, json* st) {
   return Status::ok();
 }
 
+}  // namespace
+
+Status read_checkpoint_state(const std::string& dir, json* state) { return state_from(dir, state); }
+
+namespace {
+
 std::string model_config_text(const json& state) {
   if (state.is_object() && state.contains("config") && state["config"].is_object() &&
       state["config"].contains("model"))

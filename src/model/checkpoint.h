@@ -54,6 +54,10 @@ Status save_checkpoint(const std::string& dir, const std::vector<Param*>& params
 // REQUIRES: opt, if not null, was built over params (same order); else throws std::logic_error.
 Status load_checkpoint(const std::string& dir, const std::vector<Param*>& params, AdamW* opt, nlohmann::json* state);
 
+// The checkpoint's state.json (what it was trained with: "config", "step", "gemm", ...), read
+// without touching the tensors. Errors: no such folder, no state.json, not a JSON object.
+Status read_checkpoint_state(const std::string& dir, nlohmann::json* state);
+
 // The whole weights of a checkpoint (parts joined), checked like load_checkpoint's (sizes,
 // checksums, parts covering every row once); errors name the file or tensor.
 Status read_checkpoint_weights(const std::string& dir, std::map<std::string, LoadedTensor>* weights);

@@ -11,8 +11,6 @@ namespace moe {
 
 namespace {
 
-constexpr float kNormEps = 1e-5f;
-
 bool ends_with(const std::string& s, const char* suffix) {
   const size_t n = std::strlen(suffix);
   return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;

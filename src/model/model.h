@@ -32,6 +32,9 @@
 
 namespace moe {
 
+// Epsilon of every LayerNorm / RMSNorm of the model (docs/model.md).
+inline constexpr float kNormEps = 1e-5f;
+
 // The generator seed of parameter `name` under model seed `seed` (see above).
 uint64_t param_seed(uint64_t seed, const std::string& name);
 

@@ -104,10 +104,6 @@ void inject_nan(const Fault& f, int rank, int64_t step, Model& model) {
   target->grad.data()[0] = std::numeric_limits<float>::quiet_NaN();
 }
 
-bool started_by_mpirun() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
-}
-
 // Mean cross-entropy over the first eval_batches validation batches (the same windows every time),
 // each rank evaluating its rows of every batch.
 Status evaluate(Model& model, const TextDataset& ds, Ranks& ranks, int64_t B, int64_t batches, double* out) {
@@ -954,7 +950,7 @@ Status run_training(const TrainConfig& cfg) {
   if (cfg.device != "cpu")
     return Status::error("run_training trains on the CPU; device " + cfg.device + " runs through cuda/train.h");
   Ranks ranks;
-  if (started_by_mpirun()) {
+  if (comm::started_by_mpirun()) {
     if (Status s = comm::MpiSession::start(&ranks.session); !s) return s;
     // The runtime's communication lanes call MPI from their own threads at the same time.
     if (std::string(ranks.session->thread_level_name()) != "MPI_THREAD_MULTIPLE")

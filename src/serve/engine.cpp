@@ -1,0 +1,196 @@
+#include "serve/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "tensor/ops.h"
+
+namespace moe::serve {
+
+struct InferenceEngine::Block {
+  const Param *norm1_w = nullptr, *norm1_b = nullptr, *qkv_w = nullptr, *proj_w = nullptr;
+  const Param *norm2_w = nullptr, *norm2_b = nullptr;
+  MoeLayer* moe = nullptr;                                        // MoE block
+  const Param *mlp_w1 = nullptr, *mlp_w2 = nullptr, *mlp_w3 = nullptr;  // dense block
+};
+
+namespace {
+
+const Param* find_param(const std::vector<Param*>& params, const std::string& name, bool required = true) {
+  for (const Param* p : params)
+    if (p->name == name) return p;
+  if (required) throw std::logic_error("InferenceEngine: the model has no parameter " + name);
+  return nullptr;
+}
+
+void add_rows(float* out, const float* a, const float* b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+}  // namespace
+
+InferenceEngine::InferenceEngine(Model& model, int64_t slots, int64_t max_rows)
+    : model_(model), cfg_(model.config()), slots_(slots), max_rows_(max_rows) {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, T = cfg_.seq_len, NH = cfg_.n_heads, L = cfg_.n_layers;
+  if (slots < 1 || max_rows < 1 || max_rows > model.max_batch() * T)
+    throw std::logic_error("InferenceEngine: REQUIRES slots >= 1 and 1 <= max_rows (" + std::to_string(max_rows) +
+                           ") <= max_batch * seq_len (" + std::to_string(model.max_batch() * T) + ")");
+  const std::vector<Param*> params = model.params();
+  const bool layernorm = !cfg_.use_rmsnorm();
+  wte_ = find_param(params, "wte.weight");
+  wpe_ = find_param(params, "wpe.weight");
+  normf_w_ = find_param(params, "norm_f.weight");
+  normf_b_ = find_param(params, "norm_f.bias", layernorm);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string p = "blocks." + std::to_string(l) + ".";
+    Block b;
+    b.norm1_w = find_param(params, p + "norm1.weight");
+    b.norm1_b = find_param(params, p + "norm1.bias", layernorm);
+    b.qkv_w = find_param(params, p + "attn.qkv.weight");
+    b.proj_w = find_param(params, p + "attn.proj.weight");
+    b.norm2_w = find_param(params, p + "norm2.weight");
+    b.norm2_b = find_param(params, p + "norm2.bias", layernorm);
+    if (cfg_.is_moe_layer(l)) {
+      b.moe = model.moe_layer(l);
+    } else {
+      b.mlp_w1 = find_param(params, p + "mlp.w1");
+      b.mlp_w2 = find_param(params, p + "mlp.w2");
+      b.mlp_w3 = find_param(params, p + "mlp.w3", cfg_.activation_kind() == Activation::swiglu);
+    }
+    blocks_.push_back(b);
+    k_.emplace_back(std::vector<int64_t>{slots, T, C});
+    v_.emplace_back(std::vector<int64_t>{slots, T, C});
+  }
+  const int64_t N = max_rows;
+  x_.resize({N, C});
+  ln_.resize({N, C});
+  norm_mean_.resize({N});
+  norm_rstd_.resize({N});
+  qkv_.resize({N, 3 * C});
+  atty_.resize({N, C});
+  tmp_.resize({N, C});
+  h1_.resize({N, F});
+  h3_.resize({N, F});
+  act_.resize({N, F});
+  att_.resize({N, NH, T});
+  last_.resize({N, C});
+  loads_.assign(L, std::vector<int64_t>(cfg_.n_experts, 0));
+}
+
+InferenceEngine::~InferenceEngine() = default;
+
+// Each row attends over its slot's cached positions 0..pos, with the arithmetic of
+// attention_forward (tensor/ops.cpp) so a decode step reproduces the training forward's values.
+void InferenceEngine::attention(int64_t l, std::span<const Row> rows) {
+  const int64_t C = cfg_.d_model, NH = cfg_.n_heads, HS = C / NH, T = cfg_.seq_len;
+  const int64_t N = static_cast<int64_t>(rows.size());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
+  const float* kc = k_[l].data();
+  const float* vc = v_[l].data();
+#pragma omp parallel for collapse(2) schedule(dynamic, 4) if (N * NH > 8)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < NH; ++h) {
+      const Row& r = rows[n];
+      const float* q = qkv_.data() + n * 3 * C + h * HS;
+      const float* keys = kc + static_cast<int64_t>(r.slot) * T * C + h * HS;
+      const float* values = vc + static_cast<int64_t>(r.slot) * T * C + h * HS;
+      float* a = att_.data() + (n * NH + h) * T;
+      float mx = -INFINITY;
+      for (int64_t t2 = 0; t2 <= r.pos; ++t2) {
+        const float* k = keys + t2 * C;
+        float dot = 0;
+        for (int64_t i = 0; i < HS; ++i) dot += q[i] * k[i];
+        a[t2] = dot * scale;
+        mx = std::max(mx, a[t2]);
+      }
+      double sum = 0;
+      for (int64_t t2 = 0; t2 <= r.pos; ++t2) {
+        a[t2] = std::exp(a[t2] - mx);
+        sum += a[t2];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      float* o = atty_.data() + n * C + h * HS;
+      for (int64_t i = 0; i < HS; ++i) o[i] = 0;
+      for (int64_t t2 = 0; t2 <= r.pos; ++t2) {
+        const float w = a[t2] * inv;
+        const float* v = values + t2 * C;
+        for (int64_t i = 0; i < HS; ++i) o[i] += w * v[i];
+      }
+    }
+}
+
+void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, T = cfg_.seq_len, V = cfg_.vocab_size;
+  const int64_t N = static_cast<int64_t>(rows.size());
+  if (N > max_rows_)
+    throw std::logic_error("InferenceEngine::forward: " + std::to_string(N) + " rows > max_rows " +
+                           std::to_string(max_rows_));
+  for (const Row& r : rows)
+    if (r.slot < 0 || r.slot >= slots_ || r.pos < 0 || r.pos >= T || r.token < 0 || r.token >= V)
+      throw std::logic_error("InferenceEngine::forward: row (slot " + std::to_string(r.slot) + ", pos " +
+                             std::to_string(r.pos) + ", token " + std::to_string(r.token) + ") out of range");
+  const bool rms = cfg_.use_rmsnorm();
+  auto norm = [&](float* out, const float* in, const Param* w, const Param* b, int64_t n) {
+    if (rms) rmsnorm_forward(out, norm_rstd_.data(), in, w->value.data(), n, C, kNormEps);
+    else layernorm_forward(out, norm_mean_.data(), norm_rstd_.data(), in, w->value.data(), b->value.data(), n, C, kNormEps);
+  };
+
+  // x[n] = wte[token] + wpe[pos]
+  for (int64_t n = 0; n < N; ++n) {
+    const float* te = wte_->value.data() + static_cast<int64_t>(rows[n].token) * C;
+    const float* pe = wpe_->value.data() + static_cast<int64_t>(rows[n].pos) * C;
+    float* x = x_.data() + n * C;
+    for (int64_t i = 0; i < C; ++i) x[i] = te[i] + pe[i];
+  }
+  for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
+    const Block& b = blocks_[l];
+    // h = x + proj(attention(qkv(norm1(x))))
+    if (N > 0) {
+      norm(ln_.data(), x_.data(), b.norm1_w, b.norm1_b, N);
+      linear_forward(qkv_.data(), ln_.data(), b.qkv_w->value.data(), N, C, 3 * C);
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t at = (static_cast<int64_t>(rows[n].slot) * T + rows[n].pos) * C;
+        std::copy_n(qkv_.data() + n * 3 * C + C, C, k_[l].data() + at);
+        std::copy_n(qkv_.data() + n * 3 * C + 2 * C, C, v_[l].data() + at);
+      }
+      attention(l, rows);
+      linear_forward(tmp_.data(), atty_.data(), b.proj_w->value.data(), N, C, C);
+      add_rows(x_.data(), x_.data(), tmp_.data(), N * C);
+      norm(ln_.data(), x_.data(), b.norm2_w, b.norm2_b, N);
+    }
+    // x = h + ffn(norm2(h)); the MoE layer is collective over the ranks, rows or not
+    if (b.moe) {
+      b.moe->forward(tmp_.data(), ln_.data(), N);
+      const Routing& r = b.moe->routing();
+      for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];
+    } else if (N > 0) {
+      linear_forward(h1_.data(), ln_.data(), b.mlp_w1->value.data(), N, C, F);
+      if (b.mlp_w3) {
+        linear_forward(h3_.data(), ln_.data(), b.mlp_w3->value.data(), N, C, F);
+        swiglu_forward(act_.data(), h1_.data(), h3_.data(), N * F);
+      } else {
+        gelu_forward(act_.data(), h1_.data(), N * F);
+      }
+      linear_forward(tmp_.data(), act_.data(), b.mlp_w2->value.data(), N, F, C);
+    }
+    if (N > 0) add_rows(x_.data(), x_.data(), tmp_.data(), N * C);
+  }
+  // logits = norm_f(x) @ wte^T, for the rows that ask
+  int64_t n_out = 0;
+  for (int64_t n = 0; n < N; ++n)
+    if (rows[n].logits) std::copy_n(x_.data() + n * C, C, last_.data() + (n_out++) * C);
+  if (n_out == 0) return;
+  norm(ln_.data(), last_.data(), normf_w_, normf_b_, n_out);
+  linear_forward(logits, ln_.data(), wte_->value.data(), n_out, C, V);
+}
+
+std::vector<std::vector<int64_t>> InferenceEngine::take_expert_loads() {
+  std::vector<std::vector<int64_t>> out = loads_;
+  for (auto& layer : loads_) std::fill(layer.begin(), layer.end(), 0);
+  return out;
+}
+
+}  // namespace moe::serve

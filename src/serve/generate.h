@@ -1,0 +1,41 @@
+// `moe generate`: a prompt's continuation from a checkpoint, streamed as it is produced, on one
+// process or over the ranks mpirun started (the experts spread over them, the sequence on rank 0).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/model.h"
+#include "serve/sampler.h"
+#include "util/status.h"
+
+namespace moe::serve {
+
+// A checkpoint's model for inference: its config (state.json's config.model), a Model sized for
+// max_batch sequences of seq_len tokens, the weights loaded and checked (load_checkpoint). *state:
+// the checkpoint's state.json (may be null). Errors name the folder or file.
+Status load_inference_model(const std::string& dir, int64_t max_batch, std::unique_ptr<Model>* model,
+                            nlohmann::json* state);
+
+struct GenerateConfig {
+  std::string checkpoint;
+  std::string prompt;
+  int64_t max_tokens = 200;
+  SamplingParams sampling;
+  int threads = 0;          // compute threads per rank (0: as moe train decides)
+  std::string gemm = "";    // "onednn" | "openblas"; empty: the checkpoint's kernel
+  double comm_timeout_s = 60;
+  Status validate() const;  // errors name the flag
+};
+
+// Runs the generation: rank 0 writes the continuation's bytes to `out` as each is produced (flushed)
+// and a summary line to stderr. Under mpirun every rank calls it; alone it is one process.
+// A model whose context (seq_len) fills up keeps generating from its last seq_len / 2 tokens
+// (recomputed: the positions are learned, so the cache cannot be shifted).
+Status run_generate(const GenerateConfig& cfg, std::FILE* out);
+
+}  // namespace moe::serve

@@ -1,0 +1,99 @@
+#include "serve/lockstep.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace moe::serve {
+
+namespace {
+
+// The broadcast plan: [kind, n, then n x (rank, slot, pos, token, logits)].
+enum Kind : int64_t { kStep = 1, kFinish = 2 };
+constexpr int64_t kFields = 5;
+
+}  // namespace
+
+Lockstep::Lockstep(InferenceEngine& engine, comm::Communicator* world) : engine_(engine), world_(world) {
+  if (world_ && world_->size() > 1) {
+    rank_ = world_->rank();
+    size_ = world_->size();
+  } else {
+    world_ = nullptr;
+  }
+}
+
+Status Lockstep::step(const std::vector<PlacedRow>& rows, std::vector<float>* logits) {
+  if (!lead()) throw std::logic_error("Lockstep::step: REQUIRES the lead rank");
+  if (world_) {
+    message_.assign({kStep, static_cast<int64_t>(rows.size())});
+    for (const PlacedRow& p : rows)
+      message_.insert(message_.end(), {p.rank, p.row.slot, p.row.pos, p.row.token, p.row.logits ? 1 : 0});
+    int64_t length = static_cast<int64_t>(message_.size());
+    if (Status s = world_->broadcast(&length, 1, 0); !s) return s;
+    if (Status s = world_->broadcast(message_.data(), length, 0); !s) return s;
+  }
+  return run(rows, logits);
+}
+
+Status Lockstep::finish() {
+  if (!world_) return Status::ok();
+  int64_t length = 2;
+  message_.assign({kFinish, 0});
+  if (Status s = world_->broadcast(&length, 1, 0); !s) return s;
+  return world_->broadcast(message_.data(), length, 0);
+}
+
+Status Lockstep::follow() {
+  if (lead()) throw std::logic_error("Lockstep::follow: REQUIRES a follower rank");
+  std::vector<PlacedRow> rows;
+  for (;;) {
+    int64_t length = 0;
+    if (Status s = world_->broadcast(&length, 1, 0); !s) return s;
+    message_.resize(length);
+    if (Status s = world_->broadcast(message_.data(), length, 0); !s) return s;
+    if (message_[0] == kFinish) return Status::ok();
+    rows.resize(message_[1]);
+    for (int64_t i = 0; i < message_[1]; ++i) {
+      const int64_t* f = message_.data() + 2 + i * kFields;
+      rows[i] = {static_cast<int32_t>(f[0]),
+                 {static_cast<int32_t>(f[1]), static_cast<int32_t>(f[2]), static_cast<int32_t>(f[3]), f[4] != 0}};
+    }
+    if (Status s = run(rows, nullptr); !s) return s;
+  }
+}
+
+// Every rank runs its rows; the logits go to the lead in rank order, and the lead puts them back in
+// the order of `rows`.
+Status Lockstep::run(const std::vector<PlacedRow>& rows, std::vector<float>* logits) {
+  const int64_t V = engine_.config().vocab_size;
+  mine_.clear();
+  std::vector<int64_t> logit_rows(size_, 0);
+  for (const PlacedRow& p : rows) {
+    if (p.rank < 0 || p.rank >= size_) throw std::logic_error("Lockstep: row placed on rank " + std::to_string(p.rank));
+    if (p.rank == rank_) mine_.push_back(p.row);
+    if (p.row.logits) ++logit_rows[p.rank];
+  }
+  my_logits_.resize(logit_rows[rank_] * V);
+  engine_.forward(mine_, my_logits_.data());
+  if (!world_) {
+    if (logits) *logits = my_logits_;
+    return Status::ok();
+  }
+  std::vector<int64_t> counts(size_), displs(size_);
+  int64_t total = 0;
+  for (int r = 0; r < size_; ++r) counts[r] = logit_rows[r] * V, displs[r] = total, total += counts[r];
+  std::vector<float> gathered(total);
+  if (Status s = world_->allgatherv(my_logits_.data(), counts[rank_], gathered.data(), counts, displs); !s) return s;
+  if (!logits) return Status::ok();
+  // Row order: the i-th logit row of rank r is at displs[r] + i * V.
+  logits->resize(total);
+  std::vector<int64_t> next(size_, 0);
+  int64_t out = 0;
+  for (const PlacedRow& p : rows) {
+    if (!p.row.logits) continue;
+    std::copy_n(gathered.data() + displs[p.rank] + next[p.rank]++ * V, V, logits->data() + out++ * V);
+  }
+  return Status::ok();
+}
+
+}  // namespace moe::serve

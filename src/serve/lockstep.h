@@ -1,0 +1,51 @@
+// The ranks of an inference job in lock-step: rank 0 (the lead) decides every forward's rows for
+// every rank, broadcasts them, each rank runs its own rows through its InferenceEngine (the MoE
+// layers exchange tokens among all ranks), and the rows' logits come back to the lead, which samples.
+// So the lead alone holds the requests, the token histories and the samplers; the other ranks hold
+// KV caches for the sequences placed on them and their share of the experts.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "serve/engine.h"
+#include "util/status.h"
+
+namespace moe::serve {
+
+struct PlacedRow {
+  int32_t rank = 0;  // the rank whose KV cache holds the sequence
+  Row row;
+};
+
+// Thread safety: none; the thread that runs the engine calls it (it owns `world`).
+class Lockstep {
+ public:
+  // world: every rank of the job (null or of size 1: one process). Not owned; outlives this.
+  Lockstep(InferenceEngine& engine, comm::Communicator* world);
+  bool lead() const { return rank_ == 0; }
+  int ranks() const { return size_; }
+
+  // Lead: runs `rows` (each on its rank) and returns in *logits [n, V] the logits of the n rows with
+  // row.logits, in the order given. An empty `rows` is a no-op step that keeps the followers
+  // waiting (a heartbeat, so their collectives do not time out while the lead is idle).
+  // REQUIRES: lead(); at most engine.max_rows() rows per rank.
+  Status step(const std::vector<PlacedRow>& rows, std::vector<float>* logits);
+  // Lead: tells the followers to return from follow(). Call once, at the end.
+  Status finish();
+  // Followers: run the lead's steps until finish(). REQUIRES: !lead().
+  Status follow();
+
+ private:
+  Status run(const std::vector<PlacedRow>& rows, std::vector<float>* logits);
+
+  InferenceEngine& engine_;
+  comm::Communicator* world_;
+  int rank_ = 0, size_ = 1;
+  std::vector<int64_t> message_;
+  std::vector<Row> mine_;
+  std::vector<float> my_logits_;
+};
+
+}  // namespace moe::serve

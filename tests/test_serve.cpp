@@ -1,0 +1,309 @@
+// Inference (src/serve) against references: the KV-cache decode against the training forward run on
+// the whole prefix; sequences batched together against each alone; the sampler against the softmax
+// it samples from; `moe generate` through the real binary on 1, 2 and 4 ranks, and its errors.
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "model/model.h"
+#include "serve/engine.h"
+#include "serve/sampler.h"
+#include "util/shell.h"
+
+namespace fs = std::filesystem;
+using moe::Model;
+using moe::ModelConfig;
+using moe::serve::InferenceEngine;
+using moe::serve::Row;
+
+namespace {
+
+ModelConfig small_config(bool swiglu_rms_dense) {
+  ModelConfig c;
+  c.seq_len = 24;
+  c.d_model = 32;
+  c.n_layers = 3;
+  c.n_heads = 4;
+  c.d_ffn = 48;
+  c.n_experts = 4;
+  c.top_k = 2;
+  c.router_skew = 1.0;
+  if (swiglu_rms_dense) {
+    c.activation = "swiglu";
+    c.norm = "rmsnorm";
+    c.dense_every_other = true;
+  }
+  return c;
+}
+
+// Largest |a - b| / max(1, |b|) over n values; NaN/Inf anywhere counts as infinite.
+double max_rel_diff(const float* a, const float* b, int64_t n) {
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    worst = std::max(worst, std::abs(double(a[i]) - b[i]) / std::max(1.0, std::abs(double(b[i]))));
+  }
+  return worst;
+}
+
+std::vector<int32_t> some_tokens(int64_t n, uint32_t seed) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((seed * 2654435761u + i * 40503u) % 256);
+  return t;
+}
+
+class Decode : public ::testing::TestWithParam<bool> {};
+
+// Prefill a prompt, then decode token by token (greedy); at every step the logits equal those of the
+// training forward over the whole prefix (no cache), up to the float rounding of GEMMs over a
+// different number of rows.
+TEST_P(Decode, KvCacheDecodeEqualsRecomputingThePrefix) {
+  const ModelConfig cfg = small_config(GetParam());
+  const int64_t T = cfg.seq_len, V = cfg.vocab_size;
+  Model model(cfg, 1);
+  model.init(11);
+  InferenceEngine engine(model, 2, T);
+  std::vector<int32_t> tokens = some_tokens(5, 7);
+  std::vector<Row> rows;
+  for (int32_t i = 0; i < 5; ++i) rows.push_back({1, i, tokens[i], i == 4});
+  std::vector<float> logits(V);
+  engine.forward(rows, logits.data());
+  double worst = 0;
+  for (int64_t pos = 5; pos < T; ++pos) {
+    model.forward(tokens.data(), nullptr, 1, pos);
+    const double d = max_rel_diff(logits.data(), model.logits() + (pos - 1) * V, V);
+    worst = std::max(worst, d);
+    ASSERT_LT(d, 1e-4) << "logits of position " << pos - 1;
+    const int32_t next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    tokens.push_back(next);
+    const Row decode{1, static_cast<int32_t>(pos), next, true};
+    engine.forward({&decode, 1}, logits.data());
+  }
+  std::printf("KV-cache decode vs full recompute, %lld positions: max relative logit diff %.3g\n",
+              static_cast<long long>(T - 5), worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, Decode, ::testing::Values(false, true), [](const auto& info) {
+  return info.param ? std::string("SwigluRmsnormDenseEveryOther") : std::string("GeluLayernorm");
+});
+
+// Two sequences in one forward (one prefilling while the other decodes: continuous batching) give
+// each the logits it gets alone, up to GEMM rounding over more rows.
+TEST(Batching, RaggedRowsOfSeveralSequencesEqualEachAlone) {
+  const ModelConfig cfg = small_config(false);
+  const int64_t V = cfg.vocab_size;
+  Model model(cfg, 2);
+  model.init(5);
+  const std::vector<int32_t> a = some_tokens(9, 1), b = some_tokens(6, 2);
+  // Alone: a's 9 tokens in slot 0 of one engine, b's 6 in slot 0 of another.
+  auto alone = [&](const std::vector<int32_t>& t) {
+    InferenceEngine e(model, 1, cfg.seq_len);
+    std::vector<Row> rows;
+    for (int32_t i = 0; i < static_cast<int32_t>(t.size()); ++i) rows.push_back({0, i, t[i], true});
+    std::vector<float> out(t.size() * V);
+    e.forward(rows, out.data());
+    return out;
+  };
+  const std::vector<float> la = alone(a), lb = alone(b);
+  // Together: a prefills its first 7 tokens; then a decodes tokens 8, 9 while b prefills all 6 in
+  // between (a in slot 1, b in slot 0).
+  InferenceEngine e(model, 2, 2 * cfg.seq_len);
+  std::vector<float> out(9 * V);
+  std::vector<Row> rows;
+  for (int32_t i = 0; i < 7; ++i) rows.push_back({1, i, a[i], true});
+  e.forward(rows, out.data());
+  EXPECT_LT(max_rel_diff(out.data(), la.data(), 7 * V), 1e-5);
+  rows.clear();
+  rows.push_back({1, 7, a[7], true});
+  for (int32_t i = 0; i < 6; ++i) rows.push_back({0, i, b[i], true});
+  e.forward(rows, out.data());
+  EXPECT_LT(max_rel_diff(out.data(), la.data() + 7 * V, V), 1e-5);
+  EXPECT_LT(max_rel_diff(out.data() + V, lb.data(), 6 * V), 1e-5);
+  const Row last{1, 8, a[8], true};
+  e.forward({&last, 1}, out.data());
+  EXPECT_LT(max_rel_diff(out.data(), la.data() + 8 * V, V), 1e-5);
+}
+
+TEST(Engine, RejectsRowsOutOfRange) {
+  const ModelConfig cfg = small_config(false);
+  Model model(cfg, 1);
+  InferenceEngine e(model, 1, 4);
+  std::vector<float> out(cfg.vocab_size);
+  const Row bad_pos{0, static_cast<int32_t>(cfg.seq_len), 1, true}, bad_slot{1, 0, 1, true}, bad_token{0, 0, 256, true};
+  EXPECT_THROW(e.forward({&bad_pos, 1}, out.data()), std::logic_error);
+  EXPECT_THROW(e.forward({&bad_slot, 1}, out.data()), std::logic_error);
+  EXPECT_THROW(e.forward({&bad_token, 1}, out.data()), std::logic_error);
+  std::vector<Row> many(5, Row{0, 0, 1, false});
+  EXPECT_THROW(e.forward(many, out.data()), std::logic_error);
+}
+
+// ---- sampler -------------------------------------------------------------------------------
+
+const std::vector<float> kLogits = {1.0f, 3.0f, 2.5f, -1.0f, 0.0f, 2.9f};
+
+TEST(Sampler, GreedyIsTheArgmaxAndTopK1IsGreedy) {
+  moe::serve::Sampler greedy({0.0, 0, 1.0, 1}, 0);
+  EXPECT_EQ(greedy.next(kLogits.data(), 6), 1);
+  moe::serve::Sampler k1({2.0, 1, 1.0, 9}, 3);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(k1.next(kLogits.data(), 6), 1);
+}
+
+// Frequencies of 40,000 draws against the closed-form probabilities of softmax(logits / temperature)
+// restricted to what top-k / top-p keep: every token within 5 standard deviations, the dropped never.
+TEST(Sampler, DrawsFollowTheTruncatedSoftmax) {
+  struct Case {
+    double temperature;
+    int64_t top_k;
+    double top_p;
+  };
+  for (const Case& c : {Case{1.0, 0, 1.0}, Case{0.5, 0, 1.0}, Case{1.0, 3, 1.0}, Case{1.0, 0, 0.7}}) {
+    // Expected: sorted by logit 1 (3.0), 5 (2.9), 2 (2.5), 0, 4, 3; keep top_k; then the smallest
+    // prefix whose mass reaches top_p.
+    const std::vector<int> order = {1, 5, 2, 0, 4, 3};
+    std::vector<double> w(6, 0.0);
+    double sum = 0;
+    size_t keep = c.top_k > 0 ? c.top_k : 6;
+    for (size_t i = 0; i < keep; ++i) sum += w[order[i]] = std::exp((kLogits[order[i]] - 3.0) / c.temperature);
+    if (c.top_p < 1) {
+      double mass = 0;
+      size_t i = 0;
+      while (i < keep && mass < c.top_p * sum) mass += w[order[i++]];
+      for (size_t j = i; j < 6; ++j) w[order[j]] = 0;
+      sum = mass;
+    }
+    moe::serve::Sampler s({c.temperature, c.top_k, c.top_p, 42}, 0);
+    const int draws = 40000;
+    std::vector<int> count(6, 0);
+    for (int i = 0; i < draws; ++i) ++count[s.next(kLogits.data(), 6)];
+    for (int t = 0; t < 6; ++t) {
+      const double p = w[t] / sum, expect = p * draws, sd = std::sqrt(draws * p * (1 - p));
+      if (p == 0) {
+        EXPECT_EQ(count[t], 0) << "token " << t << " should be cut (T " << c.temperature << ")";
+      } else {
+        EXPECT_NEAR(count[t], expect, 5 * sd + 1) << "token " << t << " T " << c.temperature << " k " << c.top_k
+                                                  << " p " << c.top_p;
+      }
+    }
+  }
+}
+
+TEST(Sampler, TheSameSeedAndStreamDrawTheSameTokens) {
+  auto draw = [](uint64_t seed, uint64_t stream) {
+    moe::serve::Sampler s({1.0, 0, 1.0, seed}, stream);
+    std::vector<int32_t> out;
+    for (int i = 0; i < 64; ++i) out.push_back(s.next(kLogits.data(), 6));
+    return out;
+  };
+  EXPECT_EQ(draw(7, 3), draw(7, 3));
+  EXPECT_NE(draw(7, 3), draw(7, 4));
+  EXPECT_NE(draw(7, 3), draw(8, 3));
+}
+
+TEST(Sampler, BadParametersAreNamed) {
+  auto message = [](double temperature, int64_t top_k, double top_p) {
+    moe::serve::SamplingParams p;
+    p.temperature = temperature, p.top_k = top_k, p.top_p = top_p;
+    return p.validate().message();
+  };
+  EXPECT_NE(message(-1.0, 0, 1.0).find("temperature"), std::string::npos);
+  EXPECT_NE(message(1.0, -2, 1.0).find("top_k"), std::string::npos);
+  EXPECT_NE(message(1.0, 0, 0.0).find("top_p"), std::string::npos);
+  EXPECT_TRUE(moe::serve::SamplingParams{}.validate());
+}
+
+// ---- moe generate, through the binary -------------------------------------------------------
+
+class GenerateCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("moe_generate_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ifstream in(fs::path(MOE_TEST_DIR) / ".." / "docs" / "model.md", std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    std::ofstream(dir_ / "corpus.txt", std::ios::binary) << text.str() << text.str();
+    // A small model (4 experts: 1, 2 and 4 ranks share them) trained a few steps, with a checkpoint.
+    const moe::ShellResult r = run("train --data " + (dir_ / "corpus.txt").string() +
+                                   " --seq-len 32 --d-model 32 --layers 2 --heads 2 --d-ffn 64 --experts 4 --top-k 2"
+                                   " --batch-size 8 --steps 40 --eval-batches 1 --threads 1 --router-skew 1"
+                                   " --checkpoint-dir " + (dir_ / "ck").string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static moe::ShellResult run(const std::string& args) { return moe::run_shell(std::string(MOE_BIN) + " " + args); }
+  // stdout only (the continuation); stderr goes to a file, returned in *err.
+  static std::string generated(const std::string& args, std::string* err = nullptr) {
+    const fs::path e = dir_ / "err.txt";
+    const moe::ShellResult r =
+        run("generate --checkpoint " + (dir_ / "ck").string() + " " + args + " 2>" + e.string());
+    std::ifstream f(e);
+    std::stringstream s;
+    s << f.rdbuf();
+    EXPECT_EQ(r.exit_code, 0) << r.output << s.str();
+    if (err) *err = s.str();
+    return r.output;
+  }
+  static fs::path dir_;
+};
+fs::path GenerateCli::dir_;
+
+// The same tokens on 1, 2 and 4 ranks, greedy and sampled, past the 32-token context (refilled).
+TEST_F(GenerateCli, TheSameTokensOnOneTwoAndFourRanks) {
+  for (const std::string mode : {"--temperature 0", "--temperature 0.9 --top-k 50 --top-p 0.95 --seed 4"}) {
+    std::string err;
+    const std::string one = generated("--prompt 'The ' --max-tokens 70 --threads 1 " + mode, &err);
+    EXPECT_EQ(one.size(), 70u) << one;
+    EXPECT_NE(err.find("70 tokens"), std::string::npos) << err;
+    EXPECT_NE(err.find("context refilled"), std::string::npos) << err;
+    for (int ranks : {2, 4}) {
+      const std::string many =
+          generated("--prompt 'The ' --max-tokens 70 " + mode + " --ranks " + std::to_string(ranks), &err);
+      EXPECT_EQ(many, one) << ranks << " ranks, " << mode;
+      EXPECT_NE(err.find(std::to_string(ranks) + " rank(s)"), std::string::npos) << err;
+    }
+    std::string shown = one.substr(0, 40);
+    for (char& ch : shown) ch = std::isprint(static_cast<unsigned char>(ch)) ? ch : '.';
+    std::printf("%s: \"%s\" on 1, 2 and 4 ranks\n", mode.c_str(), shown.c_str());
+  }
+  // Another seed draws another continuation.
+  EXPECT_NE(generated("--prompt 'The ' --max-tokens 40 --temperature 1 --seed 1"),
+            generated("--prompt 'The ' --max-tokens 40 --temperature 1 --seed 2"));
+}
+
+TEST_F(GenerateCli, BadInputGetsOneClearError) {
+  struct Case {
+    std::string args, needle;
+  };
+  const std::string ck = " --checkpoint " + (dir_ / "ck").string();
+  for (const Case& c : {Case{"--checkpoint " + (dir_ / "nope").string() + " --prompt x", "no such directory"},
+                        Case{"--checkpoint " + dir_.string() + " --prompt x", "state.json"},
+                        Case{ck + " --prompt ''", "--prompt is empty"},
+                        Case{ck + " --prompt " + std::string(40, 'a'), "the model's context is 32"},
+                        Case{ck + " --prompt x --top-p 1.5", "top_p"},
+                        Case{ck + " --prompt x --max-tokens 0", "--max-tokens"},
+                        Case{ck + " --prompt x --ranks 3", "cannot share the model's 4 experts"}}) {
+    const moe::ShellResult r = run("generate " + c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.needle), std::string::npos) << "expected '" << c.needle << "' in:\n" << r.output;
+  }
+  // A damaged weights file is refused by the checkpoint's checksum.
+  fs::copy(dir_ / "ck", dir_ / "bad", fs::copy_options::recursive);
+  {
+    std::fstream f(dir_ / "bad" / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-16, std::ios::end);
+    f.put('\x7f');
+  }
+  const moe::ShellResult r = run("generate --checkpoint " + (dir_ / "bad").string() + " --prompt x");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("model.safetensors"), std::string::npos) << r.output;
+}
+
+}  // namespace
