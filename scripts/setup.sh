@@ -4,7 +4,7 @@
 #        scripts/setup.sh --test   # plus the test references (python3-torch)
 set -euo pipefail
 packages=(build-essential cmake pkg-config libdnnl-dev libopenblas-dev libcli11-dev nlohmann-json3-dev
-          libgtest-dev libgmock-dev python3.11-doc openmpi-bin libopenmpi-dev iproute2)
+          libgtest-dev libgmock-dev python3.11-doc openmpi-bin libopenmpi-dev iproute2 libcpp-httplib-dev)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(python3-torch python3-numpy)
 fi

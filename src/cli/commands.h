@@ -9,6 +9,7 @@
 
 #include "runtime/train_config.h"
 #include "serve/generate.h"
+#include "serve/server.h"
 #include "sim/simulate.h"
 
 namespace moe::cli {
@@ -33,6 +34,15 @@ struct GenerateFlags {
 };
 CLI::App* add_generate_command(CLI::App& app, GenerateFlags* flags);
 int run_generate(GenerateFlags& flags);
+
+// `moe serve` (src/cli/serve_command.cpp).
+struct ServeFlags {
+  serve::ServeConfig cfg;
+  int ranks = 0;
+  std::vector<std::string> argv;
+};
+CLI::App* add_serve_command(CLI::App& app, ServeFlags* flags);
+int run_serve(ServeFlags& flags);
 
 // `moe bench <name>`
 struct BenchFlags {

@@ -1,4 +1,4 @@
-// The `moe` command: train, generate, bench, cluster, sim. Each subcommand validates everything before any work and
+// The `moe` command: train, generate, serve, bench, cluster, sim. Each subcommand validates everything before any work and
 // exits non-zero with one clear message on bad input.
 #include <csignal>
 #include <cstdio>
@@ -21,6 +21,9 @@ int main(int argc, char** argv) {
   moe::cli::GenerateFlags generate;
   generate.argv.assign(argv, argv + argc);
   CLI::App* generate_cmd = moe::cli::add_generate_command(app, &generate);
+  moe::cli::ServeFlags serve;
+  serve.argv.assign(argv, argv + argc);
+  CLI::App* serve_cmd = moe::cli::add_serve_command(app, &serve);
   moe::cli::BenchFlags bench;
   CLI::App* bench_cmd = moe::cli::add_bench_command(app, &bench);
   moe::cli::ClusterFlags cluster;
@@ -35,6 +38,7 @@ int main(int argc, char** argv) {
   try {
     if (train_cmd->parsed()) return moe::cli::run_train(*train_cmd, train);
     if (generate_cmd->parsed()) return moe::cli::run_generate(generate);
+    if (serve_cmd->parsed()) return moe::cli::run_serve(serve);
     if (bench_cmd->parsed()) return moe::cli::run_bench(bench);
     if (cluster_cmd->parsed()) return moe::cli::run_cluster(*cluster_cmd, cluster);
     if (sim_cmd->parsed()) return moe::cli::run_sim(sim);

@@ -6,32 +6,12 @@
 #include <cstdio>
 #include <vector>
 
-#include "comm/mpi_communicator.h"
-#include "model/checkpoint.h"
-#include "runtime/cpu_threads.h"
 #include "serve/engine.h"
+#include "serve/job.h"
 #include "serve/lockstep.h"
 #include "tensor/ops.h"
 
 namespace moe::serve {
-
-using json = nlohmann::json;
-
-Status load_inference_model(const std::string& dir, int64_t max_batch, std::unique_ptr<Model>* model,
-                            json* state_out) {
-  json state;
-  if (Status s = read_checkpoint_state(dir, &state); !s) return s;
-  if (!state.contains("config") || !state["config"].is_object() || !state["config"].contains("model"))
-    return Status::error("checkpoint " + dir + ": state.json has no config.model (not written by moe train?)");
-  ModelConfig cfg;
-  if (Status s = ModelConfig::from_json(state["config"]["model"], &cfg); !s)
-    return Status::error("checkpoint " + dir + ": state.json's config.model: " + s.message());
-  auto m = std::make_unique<Model>(cfg, max_batch);
-  if (Status s = load_checkpoint(dir, m->params(), nullptr, nullptr); !s) return s;
-  *model = std::move(m);
-  if (state_out) *state_out = std::move(state);
-  return Status::ok();
-}
 
 Status GenerateConfig::validate() const {
   if (checkpoint.empty()) return Status::error("--checkpoint is required (a folder moe train --checkpoint-dir wrote)");
@@ -96,56 +76,25 @@ Status lead_generation(const GenerateConfig& cfg, Lockstep& ranks, const ModelCo
   return ranks.finish();
 }
 
-Status generate_on_ranks(const GenerateConfig& cfg, comm::Communicator* world, std::FILE* out) {
-  const int size = world ? world->size() : 1;
-  runtime::ThreadPlan threads;
-  if (Status s = runtime::plan_rank_threads(runtime::thread_request(cfg.threads), world, &threads); !s) return s;
-  omp_set_num_threads(threads.threads);
-  set_gemm_threads(threads.threads);
-
-  std::unique_ptr<Model> model;
-  json state;
-  if (Status s = load_inference_model(cfg.checkpoint, 1, &model, &state); !s) return s;
-  const ModelConfig& mc = model->config();
-  if (static_cast<int64_t>(cfg.prompt.size()) > mc.seq_len)
-    return Status::error("--prompt is " + std::to_string(cfg.prompt.size()) + " bytes; the model's context is " +
-                         std::to_string(mc.seq_len) + " (seq_len): shorten it");
-  if (mc.n_experts % size != 0)
-    return Status::error(std::to_string(size) + " ranks cannot share the model's " + std::to_string(mc.n_experts) +
-                         " experts evenly: use a rank count that divides it");
-  // The kernel the model was trained with (so every rank of the job, and a rerun, computes alike).
-  std::string gemm = cfg.gemm;
-  if (gemm.empty()) gemm = state.value("gemm", std::string("onednn"));
-  pin_gemm_backend(gemm, cfg.gemm.empty() ? "as in checkpoint " + cfg.checkpoint : "--gemm " + cfg.gemm);
-  if (world) model->set_expert_parallel(world, world);
-
-  InferenceEngine engine(*model, 1, mc.seq_len);
-  Lockstep ranks(engine, world);
-  if (!ranks.lead()) return ranks.follow();
-  return lead_generation(cfg, ranks, mc, out);
-}
-
 }  // namespace
 
 Status run_generate(const GenerateConfig& cfg, std::FILE* out) {
   if (Status s = cfg.validate(); !s) return s;
-  std::unique_ptr<comm::MpiSession> session;
-  std::unique_ptr<comm::Communicator> world;
-  if (comm::started_by_mpirun()) {
-    if (Status s = comm::MpiSession::start(&session); !s) return s;
-    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.comm_timeout_s * 1000));
-    if (Status s = session->world(&world, timeout); !s) return s;
-    if (world->size() == 1) world.reset();
-  }
-  Status s;
+  InferenceJob job;
   try {
-    s = generate_on_ranks(cfg, world.get(), out);
+    if (Status s = job.start({cfg.checkpoint, 0, cfg.threads, cfg.gemm, cfg.comm_timeout_s}); !s) return job.fail(s);
+    const ModelConfig& mc = job.model->config();
+    if (static_cast<int64_t>(cfg.prompt.size()) > mc.seq_len)
+      return job.fail(Status::error("--prompt is " + std::to_string(cfg.prompt.size()) +
+                                    " bytes; the model's context is " + std::to_string(mc.seq_len) +
+                                    " (seq_len): shorten it"));
+    InferenceEngine engine(*job.model, 1, mc.seq_len);
+    Lockstep ranks(engine, job.world.get());
+    if (!ranks.lead()) return job.fail(ranks.follow());
+    return job.fail(lead_generation(cfg, ranks, mc, out));
   } catch (const std::exception& e) {
-    s = Status::error(e.what());
+    return job.fail(Status::error(e.what()));
   }
-  // A rank that fails while the others sit in a collective must take the job down, or they hang.
-  if (!s && world) comm::abort_job(s);
-  return s;
 }
 
 }  // namespace moe::serve

@@ -4,22 +4,12 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <memory>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
-#include "model/model.h"
 #include "serve/sampler.h"
 #include "util/status.h"
 
 namespace moe::serve {
-
-// A checkpoint's model for inference: its config (state.json's config.model), a Model sized for
-// max_batch sequences of seq_len tokens, the weights loaded and checked (load_checkpoint). *state:
-// the checkpoint's state.json (may be null). Errors name the folder or file.
-Status load_inference_model(const std::string& dir, int64_t max_batch, std::unique_ptr<Model>* model,
-                            nlohmann::json* state);
 
 struct GenerateConfig {
   std::string checkpoint;
