@@ -49,6 +49,11 @@ struct BenchOptions {
 // and the PyTorch peer (bench/torch_moe_layer_peer.py). Returns the exit code.
 int moe_layer(const BenchOptions& opt);
 
+// bench/decode.cpp: the inference engine's decode step on one process (the default model and a
+// larger one; 1, 4 and 16 sequences) against this machine's memory read bandwidth and GEMM rate, both
+// measured in the same run: a decode step is bound by the bytes it reads. Returns the exit code.
+int decode(const BenchOptions& opt);
+
 // nccl-tests' table (size, count, type, time, algbw, busbw, #wrong) for alltoallv (equal splits) and
 // allreduce (sum, in place), 1 KiB .. 64 MiB, next to the same operations through MPI directly
 // (MPI_Alltoall, MPI_Allreduce) and the ratio. Run under mpirun (-n 2, -n 4); rank 0 prints. The
