@@ -68,4 +68,13 @@ struct SimFlags {
 CLI::App* add_sim_command(CLI::App& app, SimFlags* flags);
 int run_sim(const SimFlags& flags);
 
+// `moe report` (src/cli/report_command.cpp): an HTML page of charts from metrics files.
+struct ReportFlags {
+  std::vector<std::string> metrics;  // one file per run; several compare runs on one page
+  std::string trace, sim, out;
+  std::string title = "moe report";
+};
+CLI::App* add_report_command(CLI::App& app, ReportFlags* flags);
+int run_report(const ReportFlags& flags);
+
 }  // namespace moe::cli
