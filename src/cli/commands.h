@@ -31,6 +31,7 @@ struct BenchFlags {
   int repeats = 5;
   bool skip_torch = false;
   bool json = false;
+  std::string html;  // --report FILE (strategies, cluster-strategies)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
