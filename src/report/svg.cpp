@@ -59,6 +59,13 @@ std::string marker(int shape, double x, double y, const char* colour) {
   }
 }
 
+// Points drawn alone (validation losses): a large ring with a white centre, which stands out on top of
+// the same run's dense line in colour and in grey.
+std::string ring(double x, double y, const char* colour) {
+  return str_cat("<circle cx=\"", num(x), "\" cy=\"", num(y), "\" r=\"5\" fill=\"#ffffff\" stroke=\"", colour,
+                 "\" stroke-width=\"2.2\"/>");
+}
+
 // Tick positions: 1, 2 or 5 times a power of ten, about `target` of them over [lo, hi].
 std::vector<double> nice_ticks(double lo, double hi, int target = 5) {
   if (!(hi > lo)) return {lo};
@@ -146,7 +153,7 @@ std::string line_swatch(const LineStyle& st, bool points_only, double x, double 
   if (!points_only)
     s += str_cat("<line x1=\"", num(x), "\" y1=\"", num(y), "\" x2=\"", num(x + 32), "\" y2=\"", num(y), "\" stroke=\"",
                  st.colour, "\" stroke-width=\"2\"", *st.dash ? str_cat(" stroke-dasharray=\"", st.dash, "\"") : "", "/>");
-  return s + marker(st.marker, x + 16, y, st.colour);
+  return s + (points_only ? ring(x + 16, y, st.colour) : marker(st.marker, x + 16, y, st.colour));
 }
 
 std::string figure(const std::string& id, const std::string& kind, const std::string& title, const std::string& caption,
@@ -359,7 +366,8 @@ std::string line_chart(const LineChart& c) {
     const size_t every = s.points_only || n <= 12 ? 1 : n / 8;
     const size_t offset = s.points_only || n <= 12 ? 0 : (k * every / std::max<size_t>(series.size(), 1)) % every;
     for (size_t i = offset; i < n; i += every)
-      if (std::isfinite(s.y[i])) body += marker(st.marker, f.px(s.x[i]), f.py(s.y[i]), st.colour);
+      if (std::isfinite(s.y[i])) body += s.points_only ? ring(f.px(s.x[i]), f.py(s.y[i]), st.colour)
+                                                       : marker(st.marker, f.px(s.x[i]), f.py(s.y[i]), st.colour);
   }
   std::vector<std::string> labels;
   for (const Series& s : series) labels.push_back(s.label);
@@ -453,7 +461,8 @@ std::string heatmap(const Heatmap& h) {
     for (double v : r)
       if (std::isfinite(v)) vmax = std::max(vmax, v);
   if (vmax <= 0) vmax = 1;
-  const double cell = std::clamp(180.0 / std::max<size_t>(rows, 1), 6.0, 26.0);
+  // Tall enough for the colour scale's label even with 2 rows (ranks).
+  const double cell = std::max(std::clamp(180.0 / std::max<size_t>(rows, 1), 6.0, 26.0), 110.0 / std::max<size_t>(rows, 1));
   const double plot_h = cell * static_cast<double>(rows);
   const double scale_w = 88;  // the colour scale on the right
   const double x_step = cols > 1 ? (h.x.back() - h.x.front()) / static_cast<double>(cols - 1) : 1;
