@@ -42,7 +42,12 @@ struct BenchOptions {
   int repeats = 5;         // timed repetitions per row; the median is reported
   bool skip_torch = false; // leave out the PyTorch peer rows
   bool json = false;       // the report as one JSON document (bench/report.h)
+  std::string html;        // strategies, cluster-strategies: also draw their runs' metrics (moe report) here
 };
+// The runs' metrics files as one `moe report` page at `path` (labels: the runs' names, one per file);
+// says where on stderr. Returns false, saying why, when a file cannot be read or the page written.
+bool write_html_report(const std::string& path, const std::string& title, const std::vector<std::string>& metrics,
+                       const std::vector<std::string>& labels);
 
 // d_model 512, d_ffn 2048, 8 experts, top-2, 4096 tokens: GEMM rate on the expert shapes per
 // backend, the MoE layer forward and forward+backward, the expert GEMMs' share of the GEMM rate,

@@ -1,5 +1,6 @@
 // Helpers every benchmark uses: see bench.h.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -11,6 +12,7 @@
 #include "sim/simulate.h"
 #include "bench/mpi_bench.h"
 #include "comm/mpi_communicator.h"
+#include "report/report.h"
 
 namespace moe::bench {
 
@@ -40,6 +42,27 @@ Status simulated_graph_ms(sim::SimRunConfig cfg, const std::string& metrics, siz
   if (pred.empty()) pred.push_back(res.steps[0].mean.compute_ms + res.steps[0].mean.exposed_comm_ms);
   *ms = median(pred);
   return Status::ok();
+}
+
+bool write_html_report(const std::string& path, const std::string& title, const std::vector<std::string>& metrics,
+                       const std::vector<std::string>& labels) {
+  report::Page page;
+  page.title = title;
+  for (size_t i = 0; i < metrics.size(); ++i) {
+    report::Run run;
+    if (Status s = report::read_run(metrics[i], &run); !s) {
+      std::fprintf(stderr, "report: %s (left out of %s)\n", s.message().c_str(), path.c_str());
+      continue;
+    }
+    if (i < labels.size()) run.label = labels[i];
+    page.runs.push_back(std::move(run));
+  }
+  if (Status s = report::write_report(page, path); !s) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    return false;
+  }
+  std::fprintf(stderr, "report: %s (%zu runs)\n", path.c_str(), page.runs.size());
+  return true;
 }
 
 double median(std::vector<double> v) {

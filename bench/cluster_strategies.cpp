@@ -18,6 +18,8 @@
 //                configured cap, each run's own recorded loads replayed, the same strategy object
 //   sim err      predicted / measured step graph time (compute + exposed communication, which the
 //                simulator models; the optimizer is in neither) - 1
+// --report FILE: per configuration, the last round's metrics of every strategy drawn on one moe report
+// page, FILE's name with the configuration inserted before its extension (report-2x1-1gbit-skew1.5.html).
 // All hosts of the emulation share this machine's cores; with 2 ranks per host, 4 ranks take turns on
 // them, and the table's header says how many cores there are.
 #include <unistd.h>
@@ -198,6 +200,19 @@ int cluster_strategies(const BenchOptions& opt) {
                   p > 0 ? p : nan, p > 0 && g > 0 ? 100 * (p / g - 1) : nan});
     }
   }
+  if (!opt.html.empty())
+    for (size_t c = 0; c < configs.size(); ++c) {
+      const Config& cf = configs[c];
+      const fs::path html(opt.html);
+      const std::string name = str_cat("2x", cf.ranks_per_host, "-", cf.nic, "-skew", cf.skew);
+      std::vector<std::string> files, labels;
+      for (size_t s = 0; s < strategies.size(); ++s)
+        if (runs[c][s].back().ok) files.push_back(runs[c][s].back().metrics), labels.push_back(strategies[s]);
+      write_html_report((html.parent_path() / str_cat(html.stem().string(), "-", name, html.extension().string())).string(),
+                        str_cat("moe bench cluster-strategies: 2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic,
+                                ", router skew ", cf.skew, ", round ", rounds, " of ", rounds),
+                        files, labels);
+    }
   report.note(str_cat("sim: the simulator's step graph time (compute + exposed comm) for the run's own loads, "
                       "calibrated on a local 2-rank ep run of this bench (", cal_run.ok ? "ok" : "failed",
                       "); measured step graph: the run's compute + exposed comm"));

@@ -15,6 +15,7 @@
 //   ranks m/m     expert rows of the busiest rank over the mean, worst MoE layer
 //   sparse MB     bytes the sparse collectives moved per step (sent + received, all ranks)
 //   replicas      extra expert replicas per step, all layers
+// --report FILE: the last round's metrics file of every configuration drawn on one moe report page.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,6 +33,7 @@
 #include "bench/bench.h"
 #include "bench/report.h"
 #include "util/shell.h"
+#include "util/str_cat.h"
 
 namespace moe::bench {
 namespace {
@@ -40,9 +42,9 @@ struct Samples {
   std::vector<double> step, moe, expert_max, expert_mean, imbalance, sparse_mb, replicas;
 };
 
-bool run(int ranks, int threads, const std::string& extra, int steps, int warmup, Samples* out) {
-  const std::string metrics =
-      std::filesystem::temp_directory_path() / ("moe_bench_strategies_" + std::to_string(getpid()) + ".jsonl");
+// One run writing `metrics` (kept: the caller's scratch directory removes it).
+bool run(int ranks, int threads, const std::string& extra, int steps, int warmup, const std::string& metrics,
+         Samples* out) {
   std::string cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
   cmd += "mpirun -n " + std::to_string(ranks) + " " + self_exe("moe") + " train --steps " + std::to_string(steps) +
          " --log-every " + std::to_string(steps) + " --eval-batches 1 --threads " + std::to_string(threads) +
@@ -67,7 +69,6 @@ bool run(int ranks, int threads, const std::string& extra, int steps, int warmup
     out->sparse_mb.push_back(j["sparse_bytes"].get<double>() / 1e6);
     out->replicas.push_back(j["replicas"].get<double>());
   }
-  std::filesystem::remove(metrics);
   return true;
 }
 
@@ -97,9 +98,23 @@ int strategies(const BenchOptions& opt) {
                                     {"deepspeed", skew + "--strategy deepspeed"}};
   std::vector<Samples> samples(configs.size());
   std::vector<bool> ok(configs.size(), true);
+  const ScratchDir scratch("moe_bench_strategies_");
+  std::vector<std::string> metrics, labels;  // per configuration: the last round's file
+  for (size_t c = 0; c < configs.size(); ++c) {
+    metrics.push_back((scratch.path() / str_cat("c", c, ".jsonl")).string());
+    labels.push_back(configs[c].name);
+  }
   for (int r = 0; r < rounds; ++r)
     for (size_t c = 0; c < configs.size(); ++c)
-      if (ok[c]) ok[c] = run(ranks, threads, configs[c].extra, steps, warmup, &samples[c]);
+      if (ok[c]) ok[c] = run(ranks, threads, configs[c].extra, steps, warmup, metrics[c], &samples[c]);
+  if (!opt.html.empty()) {
+    std::vector<std::string> done, done_labels;
+    for (size_t c = 0; c < configs.size(); ++c)
+      if (ok[c]) done.push_back(metrics[c]), done_labels.push_back(labels[c]);
+    write_html_report(opt.html,
+                      str_cat("moe bench strategies: ", ranks, " ranks, router skew 1.5, round ", rounds, " of ", rounds),
+                      done, done_labels);
+  }
   report.table("strategies, interleaved rounds",
                {{"strategy", ""}, {"step", "ms", 1}, {"moe", "ms", 1}, {"moe / reference moe", "x"},
                 {"expert max", "ms", 1}, {"expert mean", "ms", 1}, {"ranks max / mean", "x"}, {"sparse", "MB"},

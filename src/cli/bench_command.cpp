@@ -18,11 +18,19 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   c->add_option("--repeats", f->repeats, "timed repetitions (the median is reported)")->check(CLI::PositiveNumber);
   c->add_flag("--skip-torch", f->skip_torch, "do not run the PyTorch peer");
   c->add_flag("--json", f->json, "print the report as one JSON document (progress stays on stderr)");
+  c->add_option("--report", f->html,
+                "strategies, cluster-strategies: also write their runs' metrics as one moe report HTML page to FILE "
+                "(cluster-strategies: one page per configuration, FILE's name with the configuration inserted)");
   return c;
 }
 
 int run_bench(const BenchFlags& f) {
-  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json};
+  if (!f.html.empty() && f.name != "strategies" && f.name != "cluster-strategies") {
+    std::fprintf(stderr, "moe bench %s: --report is for strategies and cluster-strategies (the benches that train)\n",
+                 f.name.c_str());
+    return 2;
+  }
+  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "collectives") return bench::collectives(opt);
   if (f.name == "ep-training") return bench::ep_training(opt);

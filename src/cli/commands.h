@@ -51,6 +51,7 @@ struct BenchFlags {
   int repeats = 5;
   bool skip_torch = false;
   bool json = false;
+  std::string html;  // --report FILE (strategies, cluster-strategies)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
@@ -87,5 +88,14 @@ struct SimFlags {
 };
 CLI::App* add_sim_command(CLI::App& app, SimFlags* flags);
 int run_sim(const SimFlags& flags);
+
+// `moe report` (src/cli/report_command.cpp): an HTML page of charts from metrics files.
+struct ReportFlags {
+  std::vector<std::string> metrics;  // one file per run; several compare runs on one page
+  std::string trace, sim, out;
+  std::string title = "moe report";
+};
+CLI::App* add_report_command(CLI::App& app, ReportFlags* flags);
+int run_report(const ReportFlags& flags);
 
 }  // namespace moe::cli

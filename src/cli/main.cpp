@@ -1,4 +1,4 @@
-// The `moe` command: train, generate, serve, bench, cluster, sim. Each subcommand validates everything before any work and
+// The `moe` command: train, generate, serve, bench, cluster, sim, report. Each subcommand validates everything before any work and
 // exits non-zero with one clear message on bad input.
 #include <csignal>
 #include <cstdio>
@@ -30,6 +30,8 @@ int main(int argc, char** argv) {
   CLI::App* cluster_cmd = moe::cli::add_cluster_command(app, &cluster);
   moe::cli::SimFlags sim;
   CLI::App* sim_cmd = moe::cli::add_sim_command(app, &sim);
+  moe::cli::ReportFlags report;
+  CLI::App* report_cmd = moe::cli::add_report_command(app, &report);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
     if (bench_cmd->parsed()) return moe::cli::run_bench(bench);
     if (cluster_cmd->parsed()) return moe::cli::run_cluster(*cluster_cmd, cluster);
     if (sim_cmd->parsed()) return moe::cli::run_sim(sim);
+    if (report_cmd->parsed()) return moe::cli::run_report(report);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe: error: %s\n", e.what());
     return 1;

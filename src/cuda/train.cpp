@@ -182,7 +182,7 @@ Status train(const TrainConfig& cfg) {
     }
 
     if (Status s = evaluate_and_checkpoint(
-            cfg, done, end, cfg.eval_batches * B, true, metrics,
+            cfg, done, end, cfg.eval_batches * B, ds.unigram_entropy(), true, metrics,
             [&](double* loss) { return evaluate(*model, ds, B, cfg.eval_batches, loss); }, save, &last_val);
         !s)
       return s;

@@ -777,7 +777,7 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
 
 Status TrainingRun::evaluate_and_save(int64_t done) {
   return evaluate_and_checkpoint(
-      cfg_, done, end_, cfg_.eval_batches * B_, ranks_.lead(), metrics_,
+      cfg_, done, end_, cfg_.eval_batches * B_, ds_.unigram_entropy(), ranks_.lead(), metrics_,
       [&](double* loss) { return evaluate(*model_, ds_, ranks_, B_, cfg_.eval_batches, loss); },
       [&](int64_t step) { return save(step); }, &last_val_);
 }
@@ -861,8 +861,9 @@ void MetricsWriter::write(const json& j) {
   out_.flush();
 }
 
-Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end, int64_t windows, bool speak,
-                               MetricsWriter& metrics, const std::function<Status(double*)>& evaluate,
+Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end, int64_t windows,
+                               double unigram_entropy, bool speak, MetricsWriter& metrics,
+                               const std::function<Status(double*)>& evaluate,
                                const std::function<Status(int64_t)>& save, double* last_val) {
   const bool last = done == end;
   if ((cfg.eval_every > 0 && done % cfg.eval_every == 0) || (last && done == cfg.steps)) {
@@ -874,7 +875,7 @@ Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end
                   (long long)cfg.steps, *last_val, (long long)windows, es);
       std::fflush(stdout);
     }
-    metrics.write({{"step", done}, {"val_loss", *last_val}});
+    metrics.write({{"step", done}, {"val_loss", *last_val}, {"unigram_entropy", unigram_entropy}});
   }
   if (!cfg.checkpoint_dir.empty() && ((cfg.checkpoint_every > 0 && done % cfg.checkpoint_every == 0) || last)) {
     if (Status s = save(done); !s) {

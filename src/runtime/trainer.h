@@ -62,11 +62,13 @@ std::string load_imbalance_line(const std::vector<LayerLoad>& loads);
 
 // What the training loops (CPU ranks and one GPU) do after step `done` of a run that stops after step
 // `end`: every cfg.eval_every steps, and after the run's last step, evaluate(&loss) over `windows`
-// validation windows, print the loss and record it (*last_val and the metrics); every
+// validation windows, print the loss and record it (*last_val and the metrics, with the corpus's
+// `unigram_entropy` beside it: the loss a model that ignores context reaches); every
 // cfg.checkpoint_every steps, and when the run stops, save(done). On CPU ranks both are collective:
 // every rank calls this, and only a rank with `speak` prints.
-Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end, int64_t windows, bool speak,
-                               MetricsWriter& metrics, const std::function<Status(double*)>& evaluate,
+Status evaluate_and_checkpoint(const TrainConfig& cfg, int64_t done, int64_t end, int64_t windows,
+                               double unigram_entropy, bool speak, MetricsWriter& metrics,
+                               const std::function<Status(double*)>& evaluate,
                                const std::function<Status(int64_t)>& save, double* last_val);
 
 // The last line(s) of a training run that stopped after step `end`: how to resume when it stopped
