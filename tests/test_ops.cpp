@@ -309,11 +309,11 @@ TEST(OpsValue, GemmKZeroAndEmpty) {
 TEST(OpsValue, GemmChoicePrefersOneDnnUnlessOpenBlasIsClearlyFaster) {
   GemmRates r;
   r.onednn_gflops = 100;
-  for (double openblas : {50.0, 100.0, 105.0, 109.9}) {
+  for (double openblas : {50.0, 100.0, 113.0, 124.9}) {
     r.openblas_gflops = openblas;
     EXPECT_EQ(pick_gemm_backend(r), "onednn") << openblas;
   }
-  for (double openblas : {110.1, 130.0}) {
+  for (double openblas : {125.1, 150.0}) {
     r.openblas_gflops = openblas;
     EXPECT_EQ(pick_gemm_backend(r), "openblas") << openblas;
   }
