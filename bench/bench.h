@@ -59,6 +59,11 @@ int moe_layer(const BenchOptions& opt);
 // measured in the same run: a decode step is bound by the bytes it reads. Returns the exit code.
 int decode(const BenchOptions& opt);
 
+// bench/serve.cpp: `moe serve` on 2 ranks driven over HTTP by real-text requests of two domains in
+// unequal shares; a closed loop finds the throughput, a Poisson open loop at 70% of it measures
+// latency and time to first token, next to the server's /metrics. Returns the exit code.
+int serve(const BenchOptions& opt);
+
 // nccl-tests' table (size, count, type, time, algbw, busbw, #wrong) for alltoallv (equal splits) and
 // allreduce (sum, in place), 1 KiB .. 64 MiB, next to the same operations through MPI directly
 // (MPI_Alltoall, MPI_Allreduce) and the ratio. Run under mpirun (-n 2, -n 4); rank 0 prints. The

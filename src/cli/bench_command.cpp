@@ -7,11 +7,11 @@ namespace moe::cli {
 
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   CLI::App* c = app.add_subcommand("bench", "run a benchmark and print its table (see bench/README.md)");
-  c->add_option("name", f->name, "benchmark: moe-layer, decode, collectives (under mpirun), ep-training, sparse-collectives (under mpirun), strategies, "
+  c->add_option("name", f->name, "benchmark: moe-layer, decode, serve, collectives (under mpirun), ep-training, sparse-collectives (under mpirun), strategies, "
                 "cluster-collectives, cluster-ep-training, cluster-strategies (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
                 "cuda (GPU kernels; needs a CUDA build and a GPU)")
       ->required()
-      ->check(CLI::IsMember({"moe-layer", "decode", "collectives", "ep-training", "sparse-collectives", "strategies",
+      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "collectives", "ep-training", "sparse-collectives", "strategies",
                              "cluster-collectives", "cluster-ep-training", "cluster-strategies", "sim", "sim-fidelity",
                              "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
@@ -32,6 +32,7 @@ int run_bench(const BenchFlags& f) {
   }
   bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html};
   if (f.name == "decode") return bench::decode(opt);
+  if (f.name == "serve") return bench::serve(opt);
   if (f.name == "collectives") return bench::collectives(opt);
   if (f.name == "ep-training") return bench::ep_training(opt);
   if (f.name == "sparse-collectives") return bench::sparse_collectives(opt);

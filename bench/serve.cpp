@@ -1,0 +1,269 @@
+// moe bench serve: `moe serve` on 2 MPI ranks driven over HTTP by a trace of real-text requests whose
+// domains are skewed: 80% continue windows of the Python documentation (the corpus the model was
+// trained on), 20% windows of the GPL-3 text (/usr/share/common-licenses, on every Debian system), so
+// the routers see two kinds of text in unequal shares.
+//
+// First a closed loop (8 clients, each sending its next request when the last one is answered) finds
+// the server's throughput; then an open loop sends Poisson arrivals at 70% of it, the load a serving
+// system is sized for, and measures each request's latency (arrival to last token) and time to first
+// token (streamed) from the client. The server's own /metrics figures for the same requests are
+// printed beside them.
+//
+// The model: $MOE_BENCH_CHECKPOINT if set, else the default model trained here for 200 steps on 2
+// ranks (about 2 minutes).
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/bench.h"
+#include "bench/report.h"
+#include "model/data.h"
+#include "runtime/train_config.h"
+#include "util/shell.h"
+
+namespace moe::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+const char* const kMpiEnv = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
+
+struct Prompt {
+  std::string text;
+  bool other_domain = false;
+};
+
+// 400 prompts of 32-64 bytes: windows of the Python docs' validation split and, one in five, of the GPL-3.
+Status make_prompts(std::vector<Prompt>* out) {
+  DataOptions o;
+  o.seq_len = 64;
+  o.suffix = kDefaultCorpusSuffix;
+  TextDataset docs;
+  if (Status s = TextDataset::open(kDefaultCorpus, o, &docs); !s) return s;
+  std::ifstream f("/usr/share/common-licenses/GPL-3", std::ios::binary);
+  std::stringstream gpl;
+  gpl << f.rdbuf();
+  const std::string other = gpl.str();
+  if (other.size() < 1000) return Status::error("bench serve: /usr/share/common-licenses/GPL-3 is missing");
+  std::mt19937_64 rng(7);
+  const std::vector<uint8_t>& val = docs.val_data();
+  for (int i = 0; i < 400; ++i) {
+    const size_t len = 32 + rng() % 33;
+    Prompt p;
+    p.other_domain = i % 5 == 4;
+    if (p.other_domain) {
+      const size_t at = rng() % (other.size() - len);
+      p.text = other.substr(at, len);
+    } else {
+      const size_t at = rng() % (val.size() - len);
+      p.text.assign(val.begin() + at, val.begin() + at + len);
+    }
+    out->push_back(std::move(p));
+  }
+  return Status::ok();
+}
+
+// `moe serve` on 2 ranks in the background, stopped by SIGTERM.
+class ServerProcess {
+ public:
+  ServerProcess(const std::string& checkpoint, const std::string& log) : log_(log) {
+    const std::string cmd = std::string("exec ") + kMpiEnv + "mpirun -n 2 " + self_exe("moe") + " serve --checkpoint " +
+                            checkpoint + " --port 0 --threads 1 --slots-per-rank 8 2>" + log;
+    const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
+    if (posix_spawn(&pid_, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) != 0) pid_ = -1;
+  }
+  ~ServerProcess() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+  }
+  int port() const {
+    for (int i = 0; i < 1200 && pid_ > 0; ++i) {
+      std::ifstream f(log_);
+      std::stringstream s;
+      s << f.rdbuf();
+      const size_t at = s.str().find("listening on http://127.0.0.1:");
+      if (at != std::string::npos) return std::atoi(s.str().c_str() + at + 30);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return 0;
+  }
+
+ private:
+  std::string log_;
+  pid_t pid_ = -1;
+};
+
+struct Outcome {
+  double latency_s = 0, first_token_s = 0;
+  int64_t tokens = 0;
+  bool ok = false;
+};
+
+// One streamed request; latency from `sent` (its scheduled arrival in the open loop).
+Outcome send(int port, const Prompt& p, int64_t max_tokens, uint64_t seed, Clock::time_point sent) {
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(300, 0);
+  const nlohmann::json body{{"prompt", p.text}, {"max_tokens", max_tokens}, {"temperature", 0.8},
+                            {"seed", seed},     {"stream", true}};
+  Outcome o;
+  std::string received;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    if (o.first_token_s == 0 && std::string(data, n).find("\"text\":\"") != std::string::npos)
+      o.first_token_s = std::chrono::duration<double>(Clock::now() - sent).count();
+    received.append(data, n);
+    return true;
+  };
+  auto res = c.send(req);
+  o.latency_s = std::chrono::duration<double>(Clock::now() - sent).count();
+  o.ok = res && res->status == 200 && received.find("[DONE]") != std::string::npos;
+  o.tokens = max_tokens;
+  return o;
+}
+
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(std::ceil(q * v.size())) - 1)];
+}
+
+double metric(const std::string& text, const std::string& name) {
+  const size_t at = text.find("\n" + name + " ");
+  return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + name.size() + 2);
+}
+
+}  // namespace
+
+int serve(const BenchOptions& opt) {
+  const ScratchDir scratch("moe_bench_serve_");
+  std::string checkpoint = std::getenv("MOE_BENCH_CHECKPOINT") ? std::getenv("MOE_BENCH_CHECKPOINT") : "";
+  if (checkpoint.empty()) {
+    checkpoint = (scratch.path() / "ck").string();
+    std::fprintf(stderr, "bench serve: training the default model for 200 steps on 2 ranks (set MOE_BENCH_CHECKPOINT to skip)\n");
+    const std::string cmd = std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe") +
+                            " train --steps 200 --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " +
+                            checkpoint + " >&2";
+    if (std::system(cmd.c_str()) != 0) {
+      std::fprintf(stderr, "bench serve: training failed\n");
+      return 1;
+    }
+  }
+  std::vector<Prompt> prompts;
+  if (Status s = make_prompts(&prompts); !s) {
+    std::fprintf(stderr, "bench serve: %s\n", s.message().c_str());
+    return 1;
+  }
+  const std::string log = (scratch.path() / "serve.log").string();
+  ServerProcess server(checkpoint, log);
+  const int port = server.port();
+  if (port == 0) {
+    std::fprintf(stderr, "bench serve: the server did not start; its log (%s):\n", log.c_str());
+    (void)std::system(("cat " + log + " >&2").c_str());
+    return 1;
+  }
+  constexpr int64_t kMaxTokens = 48;
+  Report report("serve",
+                "moe serve on 2 ranks (1 thread each, 8 slots per rank), streamed requests of 32-64 prompt bytes "
+                "(80% Python docs, 20% GPL-3) and " + std::to_string(kMaxTokens) + " new tokens, temperature 0.8",
+                opt, /*uses_gemm=*/false);
+
+  // Closed loop: 8 clients back to back for 8 s.
+  std::atomic<int> next{0};
+  std::mutex mu;
+  std::vector<Outcome> closed;
+  const Clock::time_point t0 = Clock::now();
+  {
+    std::vector<std::thread> clients;
+    for (int c = 0; c < 8; ++c)
+      clients.emplace_back([&] {
+        while (Clock::now() - t0 < std::chrono::seconds(8)) {
+          const int i = next.fetch_add(1);
+          Outcome o = send(port, prompts[i % prompts.size()], kMaxTokens, i, Clock::now());
+          std::lock_guard<std::mutex> l(mu);
+          closed.push_back(o);
+        }
+      });
+    for (auto& t : clients) t.join();
+  }
+  const double closed_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double closed_rate = closed.size() / closed_s;
+
+  // Open loop: Poisson arrivals at 70% of that for 20 s.
+  const double rate = 0.7 * closed_rate;
+  std::mt19937_64 rng(11);
+  std::exponential_distribution<double> gap(rate);
+  std::vector<Outcome> open;
+  const Clock::time_point t1 = Clock::now();
+  {
+    std::vector<std::thread> clients;
+    double at = 0;
+    for (int i = 0; at < 20.0; ++i, at += gap(rng)) {
+      const Clock::time_point when = t1 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at));
+      std::this_thread::sleep_until(when);
+      clients.emplace_back([&, i, when] {
+        Outcome o = send(port, prompts[(1000 + i) % prompts.size()], kMaxTokens, 1000 + i, when);
+        std::lock_guard<std::mutex> l(mu);
+        open.push_back(o);
+      });
+    }
+    for (auto& t : clients) t.join();
+  }
+  const double open_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  httplib::Client c("127.0.0.1", port);
+  auto metrics = c.Get("/metrics");
+  const std::string m = metrics ? metrics->body : "";
+
+  report.table("client side", {{"load", "", 0, 30}, {"requests", "", 0}, {"failed", "", 0}, {"req/s", "1/s", 2},
+                               {"tokens/s", "1/s", 0}, {"latency p50", "ms", 0}, {"p95", "ms", 0}, {"p99", "ms", 0},
+                               {"first token p50", "ms", 0}, {"p95", "ms", 0}});
+  auto row = [&](const std::string& name, const std::vector<Outcome>& v, double seconds) {
+    std::vector<double> lat, ttft;
+    int64_t failed = 0, tokens = 0;
+    for (const Outcome& o : v) {
+      if (!o.ok) {
+        ++failed;
+        continue;
+      }
+      lat.push_back(1e3 * o.latency_s), ttft.push_back(1e3 * o.first_token_s), tokens += o.tokens;
+    }
+    report.row({name, static_cast<int64_t>(v.size()), failed, v.size() / seconds, tokens / seconds, quantile(lat, 0.5),
+                quantile(lat, 0.95), quantile(lat, 0.99), quantile(ttft, 0.5), quantile(ttft, 0.95)});
+  };
+  row("closed loop, 8 clients", closed, closed_s);
+  char name[64];
+  std::snprintf(name, sizeof name, "Poisson, %.2f req/s (70%%)", rate);
+  row(name, open, open_s);
+  report.note("server's /metrics over both loads: " + std::to_string(static_cast<int64_t>(metric(m, "moe_requests_total"))) +
+              " requests; latency p50 " + std::to_string(static_cast<int>(1e3 * metric(m, "moe_request_latency_seconds{quantile=\"0.5\"}"))) +
+              " ms, p95 " + std::to_string(static_cast<int>(1e3 * metric(m, "moe_request_latency_seconds{quantile=\"0.95\"}"))) +
+              " ms, p99 " + std::to_string(static_cast<int>(1e3 * metric(m, "moe_request_latency_seconds{quantile=\"0.99\"}"))) +
+              " ms (arrival at the server to last token)");
+  report.note("latency: from the request's scheduled send to its last event; first token: to the first event with text");
+  return report.finish(0);
+}
+
+}  // namespace moe::bench
