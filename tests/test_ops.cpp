@@ -1119,3 +1119,18 @@ TEST(OpsFinite, ExtremeInputs) {
 
 }  // namespace
 }  // namespace moe
+
+// The compiler keeps constant vectors whose upper half is zero (GCC 12.2 with AVX-512 turned each of
+// these into a broadcast of its first element: GCC bug 108599; CMakeLists.txt works around it).
+TEST(Build, CompilerKeepsConstantVectors) {
+  const std::vector<int64_t> i64{7, 7, 0, 0};
+  EXPECT_EQ(i64[2], 0);
+  EXPECT_EQ(i64[3], 0);
+  const std::vector<double> f64{0.5, 0.5, 0.0, 0.0};
+  EXPECT_EQ(f64[3], 0.0);
+  const std::vector<float> f32{0.5f, 0.5f, 0.5f, 0.5f, 0.0f, 0.0f, 0.0f, 0.0f};
+  EXPECT_EQ(f32[7], 0.0f);
+  const std::vector<int32_t> i32{1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(i32[15], 0);
+}
+
