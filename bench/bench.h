@@ -60,8 +60,9 @@ int moe_layer(const BenchOptions& opt);
 int decode(const BenchOptions& opt);
 
 // bench/serve.cpp: `moe serve` on 2 ranks driven over HTTP by real-text requests of two domains in
-// unequal shares; a closed loop finds the throughput, a Poisson open loop at 70% of it measures
-// latency and time to first token, next to the server's /metrics. Returns the exit code.
+// unequal shares; a closed loop finds ep's throughput, then every schedule (ep and Lina's variants)
+// gets the same Poisson arrivals at 70% of it: latency and time to first token p50/p95/p99, Lina's
+// estimation accuracy, re-plans and moved weights. Returns the exit code.
 int serve(const BenchOptions& opt);
 
 // nccl-tests' table (size, count, type, time, algbw, busbw, #wrong) for alltoallv (equal splits) and

@@ -4,10 +4,11 @@
 // the routers see two kinds of text in unequal shares.
 //
 // First a closed loop (8 clients, each sending its next request when the last one is answered) finds
-// the server's throughput; then an open loop sends Poisson arrivals at 70% of it, the load a serving
-// system is sized for, and measures each request's latency (arrival to last token) and time to first
-// token (streamed) from the client. The server's own /metrics figures for the same requests are
-// printed beside them.
+// ep's throughput; then for every schedule (ep, lina, lina-no-estimate, lina-no-phase2; --repeats
+// interleaved rounds) a fresh server gets the same Poisson arrivals at 70% of it, the load a serving
+// system is sized for, and the client measures each request's latency (arrival to last token) and time
+// to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2 re-plans,
+// replicas and the expert weights moved.
 //
 // The model: $MOE_BENCH_CHECKPOINT if set, else the default model trained here for 200 steps on 2
 // ranks (about 2 minutes).
@@ -84,9 +85,9 @@ Status make_prompts(std::vector<Prompt>* out) {
 // `moe serve` on 2 ranks in the background, stopped by SIGTERM.
 class ServerProcess {
  public:
-  ServerProcess(const std::string& checkpoint, const std::string& log) : log_(log) {
+  ServerProcess(const std::string& checkpoint, const std::string& schedule, const std::string& log) : log_(log) {
     const std::string cmd = std::string("exec ") + kMpiEnv + "mpirun -n 2 " + self_exe("moe") + " serve --checkpoint " +
-                            checkpoint + " --port 0 --threads 1 --slots-per-rank 8 2>" + log;
+                            checkpoint + " --schedule " + schedule + " --port 0 --threads 1 --slots-per-rank 8 2>" + log;
     const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
     if (posix_spawn(&pid_, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) != 0) pid_ = -1;
   }
@@ -177,26 +178,29 @@ int serve(const BenchOptions& opt) {
     std::fprintf(stderr, "bench serve: %s\n", s.message().c_str());
     return 1;
   }
-  const std::string log = (scratch.path() / "serve.log").string();
-  ServerProcess server(checkpoint, log);
-  const int port = server.port();
-  if (port == 0) {
-    std::fprintf(stderr, "bench serve: the server did not start; its log (%s):\n", log.c_str());
-    (void)std::system(("cat " + log + " >&2").c_str());
-    return 1;
-  }
   constexpr int64_t kMaxTokens = 48;
+  const std::vector<std::string> schedules = {"ep", "lina", "lina-no-estimate", "lina-no-phase2"};
   Report report("serve",
                 "moe serve on 2 ranks (1 thread each, 8 slots per rank), streamed requests of 32-64 prompt bytes "
-                "(80% Python docs, 20% GPL-3) and " + std::to_string(kMaxTokens) + " new tokens, temperature 0.8",
+                "(80% Python docs, 20% GPL-3) and " + std::to_string(kMaxTokens) + " new tokens, temperature 0.8; " +
+                    std::to_string(opt.repeats) + " interleaved rounds",
                 opt, /*uses_gemm=*/false);
+  const std::string log = (scratch.path() / "serve.log").string();
 
-  // Closed loop: 8 clients back to back for 8 s.
-  std::atomic<int> next{0};
-  std::mutex mu;
-  std::vector<Outcome> closed;
-  const Clock::time_point t0 = Clock::now();
+  // Closed loop on ep: 8 clients back to back for 8 s, for the throughput the open loop is sized by.
+  double closed_rate = 0;
   {
+    ServerProcess server(checkpoint, "ep", log);
+    const int port = server.port();
+    if (port == 0) {
+      std::fprintf(stderr, "bench serve: the server did not start; its log:\n");
+      (void)std::system(("cat " + log + " >&2").c_str());
+      return 1;
+    }
+    std::atomic<int> next{0};
+    std::mutex mu;
+    std::vector<Outcome> closed;
+    const Clock::time_point t0 = Clock::now();
     std::vector<std::thread> clients;
     for (int c = 0; c < 8; ++c)
       clients.emplace_back([&] {
@@ -208,61 +212,85 @@ int serve(const BenchOptions& opt) {
         }
       });
     for (auto& t : clients) t.join();
+    closed_rate = closed.size() / std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  const double closed_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  const double closed_rate = closed.size() / closed_s;
 
-  // Open loop: Poisson arrivals at 70% of that for 20 s.
+  // Open loop, every schedule on the same Poisson trace at 70% of ep's throughput, rounds interleaved.
   const double rate = 0.7 * closed_rate;
-  std::mt19937_64 rng(11);
-  std::exponential_distribution<double> gap(rate);
-  std::vector<Outcome> open;
-  const Clock::time_point t1 = Clock::now();
-  {
-    std::vector<std::thread> clients;
-    double at = 0;
-    for (int i = 0; at < 20.0; ++i, at += gap(rng)) {
-      const Clock::time_point when = t1 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at));
-      std::this_thread::sleep_until(when);
-      clients.emplace_back([&, i, when] {
-        Outcome o = send(port, prompts[(1000 + i) % prompts.size()], kMaxTokens, 1000 + i, when);
-        std::lock_guard<std::mutex> l(mu);
-        open.push_back(o);
-      });
-    }
-    for (auto& t : clients) t.join();
-  }
-  const double open_s = std::chrono::duration<double>(Clock::now() - t1).count();
-  httplib::Client c("127.0.0.1", port);
-  auto metrics = c.Get("/metrics");
-  const std::string m = metrics ? metrics->body : "";
-
-  report.table("client side", {{"load", "", 0, 30}, {"requests", "", 0}, {"failed", "", 0}, {"req/s", "1/s", 2},
-                               {"tokens/s", "1/s", 0}, {"latency p50", "ms", 0}, {"p95", "ms", 0}, {"p99", "ms", 0},
-                               {"first token p50", "ms", 0}, {"p95", "ms", 0}});
-  auto row = [&](const std::string& name, const std::vector<Outcome>& v, double seconds) {
-    std::vector<double> lat, ttft;
-    int64_t failed = 0, tokens = 0;
-    for (const Outcome& o : v) {
-      if (!o.ok) {
-        ++failed;
-        continue;
-      }
-      lat.push_back(1e3 * o.latency_s), ttft.push_back(1e3 * o.first_token_s), tokens += o.tokens;
-    }
-    report.row({name, static_cast<int64_t>(v.size()), failed, v.size() / seconds, tokens / seconds, quantile(lat, 0.5),
-                quantile(lat, 0.95), quantile(lat, 0.99), quantile(ttft, 0.5), quantile(ttft, 0.95)});
+  struct Result {
+    std::vector<double> latency, first_token;
+    int64_t requests = 0, failed = 0;
+    double estimated = 0, accurate = 0, replans = 0, replicas = 0, layer_forwards = 0, gathered = 0;
   };
-  row("closed loop, 8 clients", closed, closed_s);
-  char name[64];
-  std::snprintf(name, sizeof name, "Poisson, %.2f req/s (70%%)", rate);
-  row(name, open, open_s);
-  report.note("server's /metrics over both loads: " + std::to_string(static_cast<int64_t>(metric(m, "moe_requests_total"))) +
-              " requests; latency p50 " + std::to_string(static_cast<int>(1e3 * metric(m, "moe_request_latency_seconds{quantile=\"0.5\"}"))) +
-              " ms, p95 " + std::to_string(static_cast<int>(1e3 * metric(m, "moe_request_latency_seconds{quantile=\"0.95\"}"))) +
-              " ms, p99 " + std::to_string(static_cast<int>(1e3 * metric(m, "moe_request_latency_seconds{quantile=\"0.99\"}"))) +
-              " ms (arrival at the server to last token)");
-  report.note("latency: from the request's scheduled send to its last event; first token: to the first event with text");
+  std::vector<Result> results(schedules.size());
+  for (int round = 0; round < opt.repeats; ++round)
+    for (size_t k = 0; k < schedules.size(); ++k) {
+      std::fprintf(stderr, "bench serve: round %d, %s\n", round + 1, schedules[k].c_str());
+      ServerProcess server(checkpoint, schedules[k], log);
+      const int port = server.port();
+      if (port == 0) {
+        std::fprintf(stderr, "bench serve: the %s server did not start; its log:\n", schedules[k].c_str());
+        (void)std::system(("cat " + log + " >&2").c_str());
+        return 1;
+      }
+      std::mt19937_64 rng(11);
+      std::exponential_distribution<double> gap(rate);
+      std::mutex mu;
+      std::vector<Outcome> open;
+      const Clock::time_point t1 = Clock::now();
+      std::vector<std::thread> clients;
+      double at = 0;
+      for (int i = 0; at < 15.0; ++i, at += gap(rng)) {
+        const Clock::time_point when = t1 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at));
+        std::this_thread::sleep_until(when);
+        clients.emplace_back([&, i, when] {
+          Outcome o = send(port, prompts[(1000 + i) % prompts.size()], kMaxTokens, 1000 + i, when);
+          std::lock_guard<std::mutex> l(mu);
+          open.push_back(o);
+        });
+      }
+      for (auto& t : clients) t.join();
+      httplib::Client c("127.0.0.1", port);
+      auto metrics = c.Get("/metrics");
+      const std::string m = metrics ? metrics->body : "";
+      Result& r = results[k];
+      for (const Outcome& o : open) {
+        ++r.requests;
+        if (!o.ok) {
+          ++r.failed;
+          continue;
+        }
+        r.latency.push_back(1e3 * o.latency_s), r.first_token.push_back(1e3 * o.first_token_s);
+      }
+      r.layer_forwards += metric(m, "moe_moe_layer_forwards_total");
+      r.estimated += metric(m, "moe_schedule_estimates_total");
+      r.accurate += metric(m, "moe_schedule_estimates_accurate_total");
+      r.replans += metric(m, "moe_schedule_replans_total");
+      r.replicas += metric(m, "moe_schedule_replicas_total");
+      r.gathered += metric(m, "moe_schedule_gathered_bytes_total");
+    }
+
+  char title[96];
+  std::snprintf(title, sizeof title, "Poisson arrivals at %.1f req/s (70%% of ep's closed-loop %.1f)", rate, closed_rate);
+  report.table(title, {{"schedule", "", 0, 18}, {"requests", "", 0}, {"failed", "", 0}, {"latency p50", "ms", 0},
+                       {"p95", "ms", 0}, {"p99", "ms", 0}, {"p95 / ep", "x", 2}, {"first token p95", "ms", 0},
+                       {"estimate right", "%", 0}, {"re-planned", "%", 0}, {"replicas", "", 2}, {"gathered", "MB", 1}});
+  const double ep_p95 = quantile(results[0].latency, 0.95);
+  for (size_t k = 0; k < schedules.size(); ++k) {
+    const Result& r = results[k];
+    const double nan = std::nan("");
+    const double p95 = quantile(r.latency, 0.95);
+    report.row({schedules[k], r.requests, r.failed, quantile(r.latency, 0.5), p95, quantile(r.latency, 0.99),
+                p95 / ep_p95, quantile(r.first_token, 0.95), r.estimated > 0 ? 100 * r.accurate / r.estimated : nan,
+                r.estimated > 0 ? 100 * r.replans / r.estimated : nan,
+                r.layer_forwards > 0 ? r.replicas / r.layer_forwards : nan, r.gathered / 1e6});
+  }
+  report.note("latency: from the request's scheduled send to its last streamed event; first token: to the first event "
+              "with text (client side, over every round)");
+  report.note("estimate right: MoE layer forwards whose phase-1 estimate had the gate's top-k experts (Lina's accuracy); "
+              "re-planned: those with a phase-2 re-plan; replicas: extra expert copies per MoE layer forward; gathered: "
+              "expert weights rank 0 sent and received for them (the schedule's /metrics)");
+  report.note("not here yet: Lina's 'ideal' (a balanced gate) to normalise by; ep is the reference");
   return report.finish(0);
 }
 

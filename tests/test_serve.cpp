@@ -280,6 +280,13 @@ TEST_F(InferenceCli, TheSameTokensOnOneTwoAndFourRanks) {
       EXPECT_EQ(many, one) << ranks << " ranks, " << mode;
       EXPECT_NE(err.find(std::to_string(ranks) + " rank(s)"), std::string::npos) << err;
     }
+    // Lina's schedules move experts between ranks, never the mathematics: the same tokens.
+    for (const std::string schedule : {"lina", "lina-no-estimate", "lina-no-phase2"}) {
+      const std::string many =
+          generated("--prompt 'The ' --max-tokens 70 " + mode + " --ranks 2 --schedule " + schedule, &err);
+      EXPECT_EQ(many, one) << schedule << ", " << mode;
+      EXPECT_NE(err.find("schedule " + schedule + ": "), std::string::npos) << err;
+    }
     std::string shown = one.substr(0, 40);
     for (char& ch : shown) ch = std::isprint(static_cast<unsigned char>(ch)) ? ch : '.';
     std::printf("%s: \"%s\" on 1, 2 and 4 ranks\n", mode.c_str(), shown.c_str());
@@ -300,7 +307,8 @@ TEST_F(InferenceCli, BadInputGetsOneClearError) {
                         Case{ck + " --prompt " + std::string(40, 'a'), "the model's context is 32"},
                         Case{ck + " --prompt x --top-p 1.5", "top_p"},
                         Case{ck + " --prompt x --max-tokens 0", "--max-tokens"},
-                        Case{ck + " --prompt x --ranks 3", "cannot share the model's 4 experts"}}) {
+                        Case{ck + " --prompt x --ranks 3", "cannot share the model's 4 experts"},
+                        Case{ck + " --prompt x --ranks 2 --schedule linear", "--schedule 'linear'"}}) {
     const moe::ShellResult r = run("generate " + c.args);
     EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.needle), std::string::npos) << "expected '" << c.needle << "' in:\n" << r.output;

@@ -190,6 +190,12 @@ class MoeLayer {
   // Communication (ep group): every replica's weight gradient summed into its owner's (after
   // ep_experts_bwd). The replicas' own gradient buffers are left unspecified.
   void ep_reduce_replica_grads();
+  // Inference, where weights never change: keeps the replicas held now that `keep` also holds (their
+  // weights stay valid, so the next ep_materialize gathers only what is new) and drops the others;
+  // placement() becomes the replicas kept. Collective in effect: every rank calls it with the same
+  // `keep` (no communication). REQUIRES: placements enabled; keep.validate() ok with this layer's
+  // owners (std::logic_error).
+  void retain_replicas(const plan::LayerPlacement& keep);
   // Drops the materialized replicas (placement() is kept, so ep_materialize gathers them again).
   // free_memory: give their buffers back (re-materialization); else keep them for the next step.
   void release_replicas(bool free_memory);

@@ -9,6 +9,7 @@
 //                             replica slots' gradients into the owners'
 //   reshard                   between steps: shards and their AdamW moments to new owners
 #include <algorithm>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -162,6 +163,32 @@ void MoeLayer::ep_reduce_replica_grads() {
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
   std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
+}
+
+void MoeLayer::retain_replicas(const plan::LayerPlacement& keep) {
+  if (!gather_) throw std::logic_error("MoeLayer::retain_replicas: REQUIRES enable_placements");
+  if (!keep.validate() || keep.owner != owners_.owner)
+    throw std::logic_error("MoeLayer::retain_replicas: the placement must be valid and keep this layer's owners");
+  const int me = ep_->rank();
+  for (int e = 0; e < held_.n_experts(); ++e) {
+    std::vector<int> both;
+    std::set_intersection(held_.replicas[e].begin(), held_.replicas[e].end(), keep.replicas[e].begin(),
+                          keep.replicas[e].end(), std::back_inserter(both));
+    held_.replicas[e] = std::move(both);
+  }
+  // Compact this rank's slots, keeping their order (a step's row layout follows it).
+  const int64_t FC = cfg_.d_ffn * cfg_.d_model;
+  std::vector<int> kept;
+  for (size_t s = 0; s < replica_expert_.size(); ++s) {
+    if (!held_.holds(me, replica_expert_[s])) continue;
+    const int64_t to = static_cast<int64_t>(kept.size());
+    if (to != static_cast<int64_t>(s))
+      for (Tensor* t : {&rw1_, &rw2_, &rw3_})
+        if (t->numel() > 0) std::copy_n(t->data() + s * FC, FC, t->data() + to * FC);
+    kept.push_back(replica_expert_[s]);
+  }
+  replica_expert_ = std::move(kept);
+  placement_ = held_;
 }
 
 void MoeLayer::release_replicas(bool free_memory) {

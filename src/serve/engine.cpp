@@ -78,6 +78,84 @@ InferenceEngine::InferenceEngine(Model& model, int64_t slots, int64_t max_rows)
   att_.resize({N, NH, T});
   last_.resize({N, C});
   loads_.assign(L, std::vector<int64_t>(cfg_.n_experts, 0));
+  for (int64_t l = 0; l < L; ++l) n_moe_ += cfg_.is_moe_layer(l);
+}
+
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::ep: return "ep";
+    case Schedule::lina: return "lina";
+    case Schedule::lina_no_estimate: return "lina-no-estimate";
+    case Schedule::lina_no_phase2: return "lina-no-phase2";
+  }
+  return "?";
+}
+
+bool parse_schedule(const std::string& name, Schedule* out) {
+  for (Schedule s : {Schedule::ep, Schedule::lina, Schedule::lina_no_estimate, Schedule::lina_no_phase2})
+    if (name == schedule_name(s)) return *out = s, true;
+  return false;
+}
+
+void InferenceEngine::set_schedule(Schedule s, const plan::PathProfile* profile, comm::Communicator* world) {
+  schedule_ = s;
+  profile_ = profile;
+  world_ = nullptr;
+  if (s == Schedule::ep || !world || world->size() == 1) return;
+  if ((s == Schedule::lina || s == Schedule::lina_no_phase2) &&
+      (!profile || profile->moe_layers() != n_moe_ || profile->experts() != cfg_.n_experts))
+    throw std::logic_error("InferenceEngine::set_schedule: lina needs a path profile of this model's MoE blocks");
+  for (const Block& b : blocks_)
+    if (b.moe && !b.moe->expert_parallel())
+      throw std::logic_error("InferenceEngine::set_schedule: REQUIRES the model expert-parallel over world");
+  world_ = world;
+  plan::Nodes nodes;
+  nodes.node_of_rank.assign(world->size(), 0);
+  model_.enable_placements(nodes, world);
+}
+
+void InferenceEngine::place(MoeLayer* moe, const plan::LayerPlacement& p) {
+  moe->retain_replicas(p);
+  moe->set_placement(p);
+  moe->ep_materialize();
+  for (const auto& holders : p.replicas) stats_.replicas += static_cast<int64_t>(holders.size()) - 1;
+  stats_.gathered_bytes += moe->take_sparse_bytes();
+}
+
+// Lina's two phases around the gate (plan/lina.h), then the exchange over the placement they chose.
+void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
+  MoeLayer* moe = blocks_[l].moe;
+  const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
+  ++stats_.layer_steps;
+  std::vector<double> estimate;
+  if ((schedule_ == Schedule::lina || schedule_ == Schedule::lina_no_phase2) && m >= 1) {
+    std::vector<std::vector<int32_t>> paths(N);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
+    estimate = profile_->estimate(m, paths, K);
+    if (Status s = world_->allreduce(estimate.data(), E); !s) throw std::runtime_error(s.message());
+    place(moe, plan::lina_placement(estimate, moe->owners()));
+    ++stats_.estimated;
+  } else if (schedule_ == Schedule::lina_no_phase2) {
+    place(moe, moe->owners());
+  }
+  moe->ep_gate(ln_.data(), N);
+  moe->ep_gate_sync();
+  std::vector<double> actual(E, 0.0);
+  for (const auto& rank_counts : moe->routed_counts())
+    for (int64_t e = 0; e < E; ++e) actual[e] += static_cast<double>(rank_counts[e]);
+  const bool accurate = !estimate.empty() && plan::top_experts(estimate, K) == plan::top_experts(actual, K);
+  stats_.accurate += accurate;
+  const bool replan = schedule_ == Schedule::lina_no_estimate || (schedule_ == Schedule::lina && !accurate);
+  if (replan) {
+    place(moe, plan::lina_placement(actual, moe->owners()));
+    stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
+  }
+  moe->ep_dispatch(&exchange_);
+  moe->ep_dispatch_a2a(exchange_);
+  moe->ep_experts(&exchange_);
+  moe->ep_combine_a2a(exchange_);
+  moe->ep_combine(exchange_, tmp_.data());
 }
 
 InferenceEngine::~InferenceEngine() = default;
@@ -145,6 +223,8 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     float* x = x_.data() + n * C;
     for (int64_t i = 0; i < C; ++i) x[i] = te[i] + pe[i];
   }
+  routes_.assign(N * n_moe_ * cfg_.top_k, 0);
+  int64_t m = 0;  // MoE blocks passed
   for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
     const Block& b = blocks_[l];
     // h = x + proj(attention(qkv(norm1(x))))
@@ -163,9 +243,13 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     }
     // x = h + ffn(norm2(h)); the MoE layer is collective over the ranks, rows or not
     if (b.moe) {
-      b.moe->forward(tmp_.data(), ln_.data(), N);
+      if (world_) scheduled_moe(l, m, N);
+      else b.moe->forward(tmp_.data(), ln_.data(), N);
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < r.K; ++k) routes_[n * n_moe_ * r.K + m * r.K + k] = r.expert[n * r.K + k];
+      ++m;
     } else if (N > 0) {
       linear_forward(h1_.data(), ln_.data(), b.mlp_w1->value.data(), N, C, F);
       if (b.mlp_w3) {

@@ -15,7 +15,10 @@
 #include <span>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "model/model.h"
+#include "moe/token_exchange.h"
+#include "plan/lina.h"
 #include "tensor/tensor.h"
 
 namespace moe::serve {
@@ -26,6 +29,29 @@ struct Row {
   int32_t pos = 0;      // its position, in [0, T)
   int32_t token = 0;    // in [0, V)
   bool logits = false;  // return this row's next-token logits
+};
+
+// How the experts of each MoE layer are spread over the ranks during a forward (plan/lina.h):
+//   ep                static expert parallelism: every expert on its owner only
+//   lina              Lina: phase 1 replicates the experts its path profile estimates popular before the
+//                     gate; phase 2 re-plans with the real counts when the top-k experts differ
+//   lina_no_estimate  Lina planning only after the gate, from the real counts (every layer blocks on it)
+//   lina_no_phase2    Lina's phase 1 only: the estimate's plan, whatever the gate chooses
+// The first MoE layer has no path to estimate from: lina plans it after the gate, lina_no_phase2 runs
+// it as ep.
+enum class Schedule { ep, lina, lina_no_estimate, lina_no_phase2 };
+// "ep", "lina", "lina-no-estimate", "lina-no-phase2"; parse_schedule returns false for other names.
+const char* schedule_name(Schedule s);
+bool parse_schedule(const std::string& name, Schedule* out);
+
+// What the scheduling did, summed over MoE layers and forwards (the same on every rank).
+struct ScheduleStats {
+  int64_t layer_steps = 0;     // MoE layer forwards
+  int64_t estimated = 0;       // ... with a phase-1 estimate
+  int64_t accurate = 0;        // ... whose estimate had the real top-k experts (Lina's accuracy)
+  int64_t replanned = 0;       // phase-2 re-plans
+  int64_t replicas = 0;        // extra expert replicas placed (sum over layer forwards)
+  int64_t gathered_bytes = 0;  // expert weights this rank sent and received for replicas
 };
 
 // Thread safety: none (one thread drives it; the kernels inside use OpenMP).
@@ -56,6 +82,18 @@ class InferenceEngine {
   // (std::logic_error). Collective failures throw std::runtime_error naming the rank.
   void forward(std::span<const Row> rows, float* logits);
 
+  // Schedules other than ep replicate experts over `world`, the MoE layers' group (Model::
+  // set_expert_parallel(world, world)); lina and lina_no_phase2 estimate from `profile` (not owned;
+  // outlives the engine; its layers are the model's MoE blocks). Call once, before the first forward,
+  // on every rank alike. REQUIRES: the model expert-parallel over world (std::logic_error).
+  void set_schedule(Schedule s, const plan::PathProfile* profile, comm::Communicator* world);
+  Schedule schedule() const { return schedule_; }
+  const ScheduleStats& schedule_stats() const { return stats_; }
+  // The last forward's routing of its rows: [N][Lm*K] every row's top-k experts at each MoE block
+  // (block order, then choice order). For profiling.
+  const std::vector<int32_t>& last_routes() const { return routes_; }
+  int64_t moe_blocks() const { return n_moe_; }
+
   // Assignments this rank's rows sent to each expert, per block ([L][E]; zeros for a dense block),
   // since the last call (then reset).
   std::vector<std::vector<int64_t>> take_expert_loads();
@@ -63,6 +101,9 @@ class InferenceEngine {
  private:
   struct Block;  // one transformer block's weights (pointers into the model)
   void attention(int64_t l, std::span<const Row> rows);
+  // MoE block l (its m-th MoE block) under a schedule other than ep: y = tmp_, x = ln_.
+  void scheduled_moe(int64_t l, int64_t m, int64_t N);
+  void place(MoeLayer* moe, const plan::LayerPlacement& p);
 
   Model& model_;
   ModelConfig cfg_;
@@ -82,6 +123,13 @@ class InferenceEngine {
   Tensor att_;    // [N,NH,T] attention probabilities
   Tensor last_;   // [n,C] norm_f input of the logit rows
   std::vector<std::vector<int64_t>> loads_;  // [L][E]
+  int64_t n_moe_ = 0;
+  std::vector<int32_t> routes_;  // [N][Lm*K]
+  Schedule schedule_ = Schedule::ep;
+  const plan::PathProfile* profile_ = nullptr;
+  comm::Communicator* world_ = nullptr;
+  ScheduleStats stats_;
+  TokenExchange exchange_;
 };
 
 }  // namespace moe::serve

@@ -9,6 +9,7 @@
 #include "serve/engine.h"
 #include "serve/job.h"
 #include "serve/lockstep.h"
+#include "serve/profile.h"
 #include "tensor/ops.h"
 
 namespace moe::serve {
@@ -66,6 +67,14 @@ Status lead_generation(const GenerateConfig& cfg, Lockstep& ranks, const ModelCo
     }
   }
   const double decode_ms = ms_since(decode_start);
+  const ScheduleStats& st = ranks.engine().schedule_stats();
+  if (ranks.engine().schedule() != Schedule::ep && st.layer_steps > 0)
+    std::fprintf(stderr, "\nschedule %s: %lld MoE layer forwards, estimate accurate %lld of %lld, re-planned %lld, "
+                 "%.2f replicas per layer forward, %.1f MB of expert weights gathered on rank 0",
+                 schedule_name(ranks.engine().schedule()), static_cast<long long>(st.layer_steps),
+                 static_cast<long long>(st.accurate), static_cast<long long>(st.estimated),
+                 static_cast<long long>(st.replanned), static_cast<double>(st.replicas) / st.layer_steps,
+                 st.gathered_bytes / 1e6);
   std::fprintf(stderr,
                "\ngenerate: %lld tokens in %.2f s: prompt %zu tokens (prefill %.1f ms), decode %.1f tokens/s%s; "
                "%d rank(s), gemm %s, %d thread(s) per rank\n",
@@ -89,6 +98,9 @@ Status run_generate(const GenerateConfig& cfg, std::FILE* out) {
                                     " bytes; the model's context is " + std::to_string(mc.seq_len) +
                                     " (seq_len): shorten it"));
     InferenceEngine engine(*job.model, 1, mc.seq_len);
+    std::unique_ptr<plan::PathProfile> profile;
+    const std::string corpus = job.state["config"].value("data", std::string());
+    if (Status s = start_schedule(engine, job.world.get(), cfg.schedule, corpus, &profile); !s) return job.fail(s);
     Lockstep ranks(engine, job.world.get());
     if (!ranks.lead()) return job.fail(ranks.follow());
     return job.fail(lead_generation(cfg, ranks, mc, out));

@@ -18,6 +18,7 @@ struct GenerateConfig {
   SamplingParams sampling;
   int threads = 0;          // compute threads per rank (0: as moe train decides)
   std::string gemm = "";    // "onednn" | "openblas"; empty: the checkpoint's kernel
+  std::string schedule = "ep";  // where the experts run (engine.h Schedule): ep, lina, ...
   double comm_timeout_s = 60;
   Status validate() const;  // errors name the flag
 };

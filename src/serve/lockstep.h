@@ -26,6 +26,7 @@ class Lockstep {
   Lockstep(InferenceEngine& engine, comm::Communicator* world);
   bool lead() const { return rank_ == 0; }
   int ranks() const { return size_; }
+  const InferenceEngine& engine() const { return engine_; }
 
   // Lead: runs `rows` (each on its rank) and returns in *logits [n, V] the logits of the n rows with
   // row.logits, in the order given. An empty `rows` is a no-op step that keeps the followers

@@ -22,6 +22,7 @@
 #include "serve/engine.h"
 #include "serve/job.h"
 #include "serve/lockstep.h"
+#include "serve/profile.h"
 #include "serve/sampler.h"
 
 namespace moe::serve {
@@ -81,6 +82,10 @@ class Metrics {
   }
   void rejected() { rejected_.fetch_add(1); }
   void set_load(int64_t running, int64_t waiting) { running_.store(running), waiting_.store(waiting); }
+  void set_schedule(const ScheduleStats& s) {
+    std::lock_guard<std::mutex> l(mu_);
+    schedule_ = s;
+  }
 
   std::string prometheus() {
     std::lock_guard<std::mutex> l(mu_);
@@ -101,6 +106,17 @@ class Metrics {
          window_s > 0 ? in_window / window_s : 0.0);
     line("moe_requests_running", "gauge", "Sequences in the running batch.", static_cast<double>(running_.load()));
     line("moe_requests_waiting", "gauge", "Requests queued for a slot.", static_cast<double>(waiting_.load()));
+    line("moe_moe_layer_forwards_total", "counter", "MoE layer forwards (every rank runs each).",
+         static_cast<double>(schedule_.layer_steps));
+    line("moe_schedule_estimates_total", "counter", "MoE layer forwards planned from Lina's estimate (phase 1).",
+         static_cast<double>(schedule_.estimated));
+    line("moe_schedule_estimates_accurate_total", "counter", "... whose estimate had the gate's top-k experts.",
+         static_cast<double>(schedule_.accurate));
+    line("moe_schedule_replans_total", "counter", "Phase-2 re-plans after the gate.", static_cast<double>(schedule_.replanned));
+    line("moe_schedule_replicas_total", "counter", "Extra expert replicas placed, summed over MoE layer forwards.",
+         static_cast<double>(schedule_.replicas));
+    line("moe_schedule_gathered_bytes_total", "counter", "Expert weight bytes rank 0 sent and received for replicas.",
+         static_cast<double>(schedule_.gathered_bytes));
     summary(&out, "moe_request_latency_seconds", "Arrival to last token, completed requests.", latency_);
     summary(&out, "moe_time_to_first_token_seconds", "Arrival to first token, completed requests.", first_token_);
     return out;
@@ -134,6 +150,7 @@ class Metrics {
   std::atomic<int64_t> rejected_{0}, running_{0}, waiting_{0};
   std::deque<double> latency_, first_token_;
   std::deque<std::pair<Clock::time_point, int64_t>> recent_;
+  ScheduleStats schedule_;
 };
 
 // Requests handed from the HTTP threads to the scheduler.
@@ -316,6 +333,7 @@ class Scheduler {
     plan();
     // With nothing to run this is a heartbeat: the other ranks wait in it instead of timing out.
     if (Status s = ranks_.step(rows_, &logits_); !s) return s;
+    metrics_.set_schedule(ranks_.engine().schedule_stats());
     for (size_t j = 0; j < scheduled_.size(); ++j) {
       Running& r = running_[scheduled_[j]];
       const int32_t next = r.sampler.next(logits_.data() + j * V_, V_);
@@ -469,6 +487,9 @@ Status run_serve(const ServeConfig& cfg) {
       return job.fail(s);
     const int64_t T = job.model->config().seq_len;
     InferenceEngine engine(*job.model, cfg.slots_per_rank, job.max_rows);
+    std::unique_ptr<plan::PathProfile> profile;
+    const std::string corpus = job.state["config"].value("data", std::string());
+    if (Status s = start_schedule(engine, job.world.get(), cfg.schedule, corpus, &profile); !s) return job.fail(s);
     Lockstep ranks(engine, job.world.get());
     if (!ranks.lead()) return job.fail(ranks.follow());
 
@@ -482,9 +503,9 @@ Status run_serve(const ServeConfig& cfg) {
       return job.fail(Status::error("cannot listen on " + cfg.host + ":" + std::to_string(cfg.port) +
                                     " (in use, or not an address of this machine)"));
     std::thread http([&server] { server.listen_after_bind(); });
-    std::fprintf(stderr, "serve: listening on http://%s:%d (%d rank(s), %lld slots per rank, context %lld)\n",
+    std::fprintf(stderr, "serve: listening on http://%s:%d (%d rank(s), %lld slots per rank, context %lld, schedule %s)\n",
                  cfg.host.c_str(), port, ranks.ranks(), static_cast<long long>(cfg.slots_per_rank),
-                 static_cast<long long>(T));
+                 static_cast<long long>(T), schedule_name(engine.schedule()));
     Scheduler scheduler(ranks, engine, inbox, metrics, cfg.slots_per_rank);
     Status s = scheduler.run();
     server.stop();

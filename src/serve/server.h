@@ -13,7 +13,8 @@
 //            "finish_reason": "length"}], "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
 //        stream: server-sent events "data: {...choices[0].text: the new text...}\n\n", then "data: [DONE]\n\n"
 //        A malformed request: 400 {"error": {"message", "type": "invalid_request_error"}}.
-//   GET /metrics   Prometheus text: requests, tokens, tokens/s, latency and time-to-first-token quantiles
+//   GET /metrics   Prometheus text: requests, tokens, tokens/s, latency and time-to-first-token quantiles,
+//                  and with a Lina schedule its estimation accuracy, re-plans and replicas
 //   GET /health    200 "ok"
 // Text is bytes (the model is byte-level): a stream holds back a UTF-8 character until all its bytes
 // are out, and bytes that are not UTF-8 become U+FFFD in the JSON.
@@ -34,6 +35,7 @@ struct ServeConfig {
   int64_t max_queue = 256;        // requests waiting beyond that get 503
   int threads = 0;                // compute threads per rank (0: as moe train decides)
   std::string gemm;               // empty: the checkpoint's kernel
+  std::string schedule = "ep";    // where the experts run across ranks (engine.h Schedule)
   double comm_timeout_s = 60;
   Status validate() const;
 };

@@ -1,0 +1,118 @@
+#include "plan/lina.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+namespace moe::plan {
+
+PathProfile::PathProfile(int64_t moe_layers, int64_t experts, int path_length)
+    : L_(moe_layers), E_(experts), path_length_(path_length) {
+  if (moe_layers < 1 || experts < 1 || path_length < 1)
+    throw std::logic_error("PathProfile: REQUIRES moe_layers, experts, path_length >= 1");
+  counts_.resize(L_);
+}
+
+void PathProfile::add(std::span<const int32_t> first, std::span<const int32_t> chosen) {
+  if (static_cast<int64_t>(first.size()) != L_ || chosen.empty() || chosen.size() % L_ != 0)
+    throw std::logic_error("PathProfile::add: REQUIRES first [L] and chosen [L*K]");
+  const int64_t K = static_cast<int64_t>(chosen.size()) / L_;
+  if (K_ != 0 && K != K_) throw std::logic_error("PathProfile::add: every token needs the same top-k");
+  K_ = K;
+  for (int32_t e : chosen)
+    if (e < 0 || e >= E_) throw std::logic_error("PathProfile::add: expert " + std::to_string(e) + " out of range");
+  ++tokens_;
+  for (int64_t l = 0; l < L_; ++l) {
+    const int64_t longest = std::min<int64_t>(path_length_, l);
+    for (int64_t len = 0; len <= longest; ++len) {
+      std::vector<int32_t> path(first.begin() + (l - len), first.begin() + l);
+      std::vector<int64_t>& c = counts_[l][path];
+      if (c.empty()) c.assign(E_, 0);
+      for (int64_t k = 0; k < K; ++k) ++c[chosen[l * K + k]];
+    }
+  }
+}
+
+void PathProfile::distribution(int64_t l, std::span<const int32_t> previous, std::vector<double>* p) const {
+  if (l < 0 || l >= L_) throw std::logic_error("PathProfile::distribution: layer out of range");
+  p->assign(E_, 1.0 / static_cast<double>(E_));
+  const int64_t longest = std::min<int64_t>({static_cast<int64_t>(path_length_), l, static_cast<int64_t>(previous.size())});
+  for (int64_t len = longest; len >= 0; --len) {
+    const std::vector<int32_t> path(previous.end() - len, previous.end());
+    auto it = counts_[l].find(path);
+    if (it == counts_[l].end()) continue;
+    const int64_t n = std::accumulate(it->second.begin(), it->second.end(), int64_t{0});
+    if (n == 0 || (len > 0 && n < kMinPathCount * K_)) continue;  // n counts choices: K per token
+    for (int64_t e = 0; e < E_; ++e) (*p)[e] = static_cast<double>(it->second[e]) / static_cast<double>(n);
+    return;
+  }
+}
+
+std::vector<double> PathProfile::estimate(int64_t l, const std::vector<std::vector<int32_t>>& paths, int64_t k) const {
+  std::vector<double> pop(E_, 0.0), p;
+  for (const std::vector<int32_t>& path : paths) {
+    distribution(l, path, &p);
+    for (int e : top_experts(p, k)) pop[e] += p[e];
+  }
+  return pop;
+}
+
+std::vector<int> top_experts(const std::vector<double>& value, int64_t k) {
+  std::vector<int> order(value.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return value[a] > value[b]; });
+  order.resize(std::min<size_t>(order.size(), static_cast<size_t>(std::max<int64_t>(k, 0))));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks) {
+  if (n_ranks < 1) throw std::logic_error("lina_slots: REQUIRES n_ranks >= 1");
+  const double total = std::accumulate(popularity.begin(), popularity.end(), 0.0);
+  const int E = static_cast<int>(popularity.size());
+  std::vector<int> slots(E, 1);
+  if (!(total > 0)) return slots;
+  for (int e = 0; e < E; ++e) {
+    if (popularity[e] < 0) throw std::logic_error("lina_slots: negative popularity");
+    slots[e] = std::clamp(static_cast<int>(std::lround(E * popularity[e] / total)), 1, n_ranks);
+  }
+  return slots;
+}
+
+LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners) {
+  const int E = owners.n_experts(), R = owners.n_ranks;
+  if (static_cast<int>(popularity.size()) != E) throw std::logic_error("lina_placement: popularity is not [E]");
+  if (!owners.validate()) throw std::logic_error("lina_placement: " + owners.validate().message());
+  const std::vector<int> slots = lina_slots(popularity, R);
+  LayerPlacement p = owners;
+  auto load_of = [&](int rank) {
+    double load = 0;
+    for (int e = 0; e < E; ++e)
+      if (p.holds(rank, e)) load += popularity[e] / static_cast<double>(p.replicas[e].size());
+    return load;
+  };
+  std::vector<int> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return slots[a] != slots[b] ? slots[a] > slots[b] : popularity[a] > popularity[b];
+  });
+  for (int e : order) {
+    while (static_cast<int>(p.replicas[e].size()) < slots[e]) {
+      int best = -1;
+      double best_load = 0;
+      for (int r = 0; r < R; ++r) {
+        if (p.holds(r, e)) continue;
+        const double l = load_of(r);
+        if (best < 0 || l < best_load) best = r, best_load = l;
+      }
+      if (best < 0) break;
+      auto& holders = p.replicas[e];
+      holders.insert(std::upper_bound(holders.begin(), holders.end(), best), best);
+    }
+  }
+  return p;
+}
+
+}  // namespace moe::plan

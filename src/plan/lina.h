@@ -1,0 +1,76 @@
+// Lina's popularity-based inference scheduling (the Lina paper, Sec. 5.2), as pure functions.
+//
+// A token's path is its first-choice expert at each MoE layer it has passed. Profiling counts, for
+// every MoE layer l and every path of the previous (up to) `path_length` MoE layers, which experts the
+// tokens with that path chose at l. Before MoE layer l of a batch, each token's estimated
+// distribution over l's experts is the profile of its path (the longest suffix of it seen at least
+// kMinPathCount times, else layer l's marginal); Lina keeps that distribution's top-k experts and their
+// probabilities, and the batch's popularity of expert e is the sum over its tokens (Eq. 1).
+//
+// Phase 1 (before the gate) gives each expert a number of expert slots proportional to its
+// popularity (E slots in all: each of R ranks has E / R, as Lina's one expert per device when R == E);
+// phase 2 (after the gate) re-plans with the real counts when the estimate's top-k experts differ from
+// the real ones. Here an expert's owner always keeps it (the ranks' shards do not move), and an expert
+// with more slots gets replicas on the ranks whose load is lowest, so unpopular experts share their
+// owners' ranks and popular ones are spread: the paper's packing of unpopular experts onto few devices
+// becomes "they keep their owner's slot". Deterministic: every rank computes the same plan.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "plan/placement.h"
+
+namespace moe::plan {
+
+inline constexpr int64_t kMinPathCount = 8;  // a path of fewer profiled tokens backs off to a shorter one
+
+class PathProfile {
+ public:
+  // moe_layers: L MoE layers; experts: E; path_length: previous layers a path spans (Lina's default 3).
+  // REQUIRES: moe_layers >= 1, experts >= 1, path_length >= 1 (std::logic_error).
+  PathProfile(int64_t moe_layers, int64_t experts, int path_length = 3);
+  int64_t moe_layers() const { return L_; }
+  int64_t experts() const { return E_; }
+  int path_length() const { return path_length_; }
+  int64_t tokens() const { return tokens_; }
+
+  // One profiled token: first[l] its first choice at MoE layer l ([L]); chosen its top-k at each
+  // layer, layer-major ([L*K]). REQUIRES: sizes L and a multiple of L, experts in range.
+  void add(std::span<const int32_t> first, std::span<const int32_t> chosen);
+
+  // The estimated distribution over MoE layer l's experts of a token whose first choices at the MoE
+  // layers before l are `previous` (oldest first; only the last path_length are used): P(e | path) of
+  // the longest suffix seen >= kMinPathCount times, else l's marginal, else uniform. p: [E], sums to 1.
+  void distribution(int64_t l, std::span<const int32_t> previous, std::vector<double>* p) const;
+
+  // Lina's Eq. 1 for a batch: sum over its tokens of P(e | path) restricted to each distribution's top
+  // k experts (ties to the lower expert). paths[t]: token t's first choices before l. [E].
+  std::vector<double> estimate(int64_t l, const std::vector<std::vector<int32_t>>& paths, int64_t k) const;
+
+ private:
+  int64_t L_, E_;
+  int path_length_;
+  int64_t tokens_ = 0;
+  int64_t K_ = 0;  // choices per token (set by the first add)
+  // counts_[l][path] = [E] choices at l of the tokens whose last first-choices before l are `path`
+  // (every suffix length 0..path_length, the empty path being the marginal).
+  std::vector<std::map<std::vector<int32_t>, std::vector<int64_t>>> counts_;
+};
+
+// Expert slots per expert from popularity: round(E * pop_e / sum pop), at least 1 and at most R.
+// REQUIRES: popularity [E] non-negative, R >= 1.
+std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks);
+
+// The placement for slots: owners keep their experts; experts by descending slots (then popularity,
+// then index) get replicas, one at a time, on the rank with the lowest load among those not holding
+// them, a rank's load being the popularity of each expert it holds divided by that expert's holders.
+// REQUIRES: owners.validate() ok with no replicas beyond the owners; popularity [E].
+LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners);
+
+// The k experts with the highest value (ties to the lower index), ascending.
+std::vector<int> top_experts(const std::vector<double>& value, int64_t k);
+
+}  // namespace moe::plan

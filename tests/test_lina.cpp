@@ -1,0 +1,91 @@
+// Lina's scheduling planner (plan/lina.h) against closed forms: path profiles and their back-off, the
+// estimate of Eq. 1, slots proportional to popularity, the replica placement, top-k with ties.
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "plan/lina.h"
+
+using moe::plan::LayerPlacement;
+using moe::plan::PathProfile;
+
+namespace {
+
+// 3 MoE layers, 4 experts, top-2; a token's first choice at layer l is (first at layer 0 + l) % 4 and
+// its second ((first + 1) % 4): a path predicts the next layer exactly.
+PathProfile deterministic_profile(int tokens_per_start) {
+  PathProfile p(3, 4, 2);
+  for (int start = 0; start < 4; ++start)
+    for (int i = 0; i < tokens_per_start; ++i) {
+      std::vector<int32_t> first, chosen;
+      for (int l = 0; l < 3; ++l) {
+        first.push_back((start + l) % 4);
+        chosen.push_back((start + l) % 4);
+        chosen.push_back((start + l + 1) % 4);
+      }
+      p.add(first, chosen);
+    }
+  return p;
+}
+
+TEST(LinaProfile, APathPredictsItsNextLayer) {
+  const PathProfile p = deterministic_profile(10);
+  EXPECT_EQ(p.tokens(), 40);
+  std::vector<double> d;
+  p.distribution(2, std::vector<int32_t>{1, 2}, &d);  // started at expert 1: layer 2 chooses 3 and 0
+  EXPECT_EQ(d, (std::vector<double>{0.5, 0, 0, 0.5}));
+  // Estimate of a batch of 3 such tokens and one started at 0 (layer 2: experts 2 and 3), top-2 each.
+  const std::vector<double> pop = p.estimate(2, {{1, 2}, {1, 2}, {1, 2}, {0, 1}}, 2);
+  EXPECT_EQ(pop, (std::vector<double>{1.5, 0, 0.5, 2.0}));
+  // Top-1 keeps one expert per token (ties to the lower index): 0 for the first three, 2 for the last.
+  EXPECT_EQ(p.estimate(2, {{1, 2}, {1, 2}, {1, 2}, {0, 1}}, 1), (std::vector<double>{1.5, 0, 0.5, 0}));
+}
+
+TEST(LinaProfile, RarePathsBackOffToShorterOnesThenTheMarginal) {
+  // 4 tokens per start: paths of length 1 and 2 are seen 4 times, fewer than kMinPathCount (8).
+  const PathProfile p = deterministic_profile(4);
+  std::vector<double> d;
+  p.distribution(2, std::vector<int32_t>{1, 2}, &d);
+  EXPECT_EQ(d, (std::vector<double>{0.25, 0.25, 0.25, 0.25}));  // layer 2's marginal
+  // An unseen path backs off to its longest seen suffix: (3, 3) to (3), the tokens started at 2.
+  const PathProfile q = deterministic_profile(10);
+  q.distribution(2, std::vector<int32_t>{3, 3}, &d);
+  EXPECT_EQ(d, (std::vector<double>{0.5, 0.5, 0.0, 0.0}));
+  q.distribution(2, std::vector<int32_t>{0, 2}, &d);  // (0, 2) unseen, (2): started at 1
+  EXPECT_EQ(d, (std::vector<double>{0.5, 0, 0, 0.5}));
+  // Layer 0 has no path: its marginal.
+  q.distribution(0, std::vector<int32_t>{}, &d);
+  EXPECT_EQ(d, (std::vector<double>{0.25, 0.25, 0.25, 0.25}));
+  EXPECT_THROW(q.distribution(3, std::vector<int32_t>{}, &d), std::logic_error);
+}
+
+TEST(LinaPlan, SlotsAreProportionalToPopularityWithinOneToR) {
+  EXPECT_EQ(moe::plan::lina_slots({4, 2, 1, 1}, 4), (std::vector<int>{2, 1, 1, 1}));  // E * share: 2, 1, .5, .5
+  EXPECT_EQ(moe::plan::lina_slots({7, 1, 0, 0}, 4), (std::vector<int>{4, 1, 1, 1}));  // 3.5 -> 4, capped at R
+  EXPECT_EQ(moe::plan::lina_slots({7, 1, 0, 0}, 2), (std::vector<int>{2, 1, 1, 1}));
+  EXPECT_EQ(moe::plan::lina_slots({0, 0, 0, 0}, 2), (std::vector<int>{1, 1, 1, 1}));
+}
+
+TEST(LinaPlan, PopularExpertsGetReplicasOnTheLeastLoadedRanks) {
+  // 8 experts on 4 ranks (owners 0,0,1,1,2,2,3,3). Expert 2 (rank 1) holds half the load: 4 slots,
+  // capped at 4 ranks: replicas everywhere. Expert 5 (rank 2) a quarter: 2 slots, the second on the
+  // least loaded rank without it (rank 0 or 3: rank 0 holds experts 0, 1 of pop 1 each and a quarter
+  // of expert 2; rank 3 experts 6, 7 of pop 1 each and the same share: tie to the lower rank, 0).
+  const LayerPlacement owners = moe::plan::even_placement(8, 4);
+  const LayerPlacement p = moe::plan::lina_placement({1, 1, 16, 1, 1, 8, 1, 1}, owners);
+  EXPECT_TRUE(p.validate());
+  EXPECT_EQ(p.owner, owners.owner);
+  EXPECT_EQ(p.replicas[2], (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(p.replicas[5], (std::vector<int>{1, 2}));
+  for (int e : {0, 1, 3, 4, 6, 7}) EXPECT_EQ(p.replicas[e], owners.replicas[e]) << e;
+  // Even popularity: nothing moves.
+  EXPECT_EQ(moe::plan::lina_placement(std::vector<double>(8, 1.0), owners).replicas, owners.replicas);
+}
+
+TEST(LinaPlan, TopExpertsBreakTiesToTheLowerIndex) {
+  EXPECT_EQ(moe::plan::top_experts({1, 3, 3, 2}, 2), (std::vector<int>{1, 2}));
+  EXPECT_EQ(moe::plan::top_experts({5, 1, 5, 5}, 2), (std::vector<int>{0, 2}));
+  EXPECT_EQ(moe::plan::top_experts({1, 2}, 5), (std::vector<int>{0, 1}));
+}
+
+}  // namespace
