@@ -1121,7 +1121,7 @@ TEST(OpsFinite, ExtremeInputs) {
 }  // namespace moe
 
 // The compiler keeps constant vectors whose upper half is zero (GCC 12.2 with AVX-512 turned each of
-// these into a broadcast of its first element: GCC bug 108599; CMakeLists.txt works around it).
+// these into a broadcast of its first element; CMakeLists.txt works around it).
 TEST(Build, CompilerKeepsConstantVectors) {
   const std::vector<int64_t> i64{7, 7, 0, 0};
   EXPECT_EQ(i64[2], 0);
