@@ -19,7 +19,7 @@ CLI::App* add_generate_command(CLI::App& app, GenerateFlags* f) {
   c->add_option("--seed", g.sampling.seed, "sampling seed (the same tokens for the same seed, on any rank count)");
   c->add_option("--ranks", f->ranks, "spread the experts over N ranks started with mpirun (or run under mpirun yourself)")
       ->check(CLI::NonNegativeNumber);
-  c->add_option("--schedule", g.schedule, "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2");
+  c->add_option("--schedule", g.schedule, "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2, or ideal (a balanced gate: a latency reference, not text)");
   c->add_option("--threads", g.threads, "compute threads per rank (0: as moe train decides)");
   c->add_option("--gemm", g.gemm, "GEMM kernel: onednn or openblas (default: the checkpoint's)");
   c->add_option("--comm-timeout", g.comm_timeout_s, "seconds a collective may take before the job stops");

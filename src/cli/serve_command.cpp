@@ -18,7 +18,7 @@ CLI::App* add_serve_command(CLI::App& app, ServeFlags* f) {
   c->add_option("--max-queue", s.max_queue, "requests that may wait for a slot (more: 503)");
   c->add_option("--ranks", f->ranks, "spread the experts over N ranks started with mpirun (or run under mpirun yourself)")
       ->check(CLI::NonNegativeNumber);
-  c->add_option("--schedule", s.schedule, "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2");
+  c->add_option("--schedule", s.schedule, "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2, or ideal (a balanced gate: a latency reference, not text)");
   c->add_option("--threads", s.threads, "compute threads per rank (0: as moe train decides)");
   c->add_option("--gemm", s.gemm, "GEMM kernel: onednn or openblas (default: the checkpoint's)");
   c->add_option("--comm-timeout", s.comm_timeout_s, "seconds a collective may take before the job stops");

@@ -86,6 +86,7 @@ void MoeLayer::forward(float* y, const float* x, int64_t N) {
   // router: gate choices and weights, then the losses (f_e counts choices before dropping)
   router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize,
                  cfg_.router_bias.empty() ? nullptr : cfg_.router_bias.data());
+  if (balanced_gate_) balance_routing(N);
   RouterLosses l = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
                                        probs_.data(), routing_, N, E);
   aux_loss_ = l.aux;
@@ -201,6 +202,16 @@ void MoeLayer::backward_ep(float* dx, const float* dy) {
   ep_gate_bwd(own_exchange_, dx);
 }
 
+void MoeLayer::balance_routing(int64_t N) {
+  const int64_t E = cfg_.n_experts, K = cfg_.top_k;
+  const int64_t shift = batch_ ? static_cast<int64_t>(batch_->rank()) * N : 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      routing_.expert[n * K + k] = static_cast<int32_t>((n * K + k + shift) % E);
+      routing_.weight[n * K + k] = 1.0f / static_cast<float>(K);
+    }
+}
+
 void MoeLayer::ep_gate(const float* x, int64_t N) {
   if (N < 0 || N > max_tokens_ || !ep_) throw std::logic_error("MoeLayer::ep_gate: REQUIRES expert parallel, N <= max");
   const int64_t C = cfg_.d_model, E = cfg_.n_experts, K = cfg_.top_k;
@@ -208,6 +219,7 @@ void MoeLayer::ep_gate(const float* x, int64_t N) {
   n_ = N;
   router_forward(logits_.data(), probs_.data(), routing_, x, router_.value.data(), N, C, E, K, cfg_.renormalize,
                  cfg_.router_bias.empty() ? nullptr : cfg_.router_bias.data());
+  if (balanced_gate_) balance_routing(N);
   RouterLosses local = router_loss_forward(lse_.data(), load_frac_.data(), mean_prob_.data(), logits_.data(),
                                            probs_.data(), routing_, N, E);
   std::fill(local_counts_.begin(), local_counts_.end(), 0);

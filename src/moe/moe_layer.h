@@ -155,6 +155,11 @@ class MoeLayer {
   // and only the real rows go back to their tokens. Dropping follows the global rule above, so the
   // mathematics is EP's. REQUIRES: expert_parallel(), no placements enabled, before the first step.
   void set_padded_exchange(bool on);
+  // Benchmarks only (the "ideal" reference of Lina's serving figures): replaces the router's choices by a
+  // perfectly balanced gate, token n's k-th choice being expert (n * K + k + shift) mod E with gate
+  // weight 1 / K (shift: this rank's place in the batch group times N, so the ranks interleave). The
+  // layer then computes another function: its output is meaningless, its load is even.
+  void set_balanced_gate(bool on) { balanced_gate_ = on; }
   // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
   int64_t expert_rows() const { return expert_rows_; }
 
@@ -263,6 +268,8 @@ class MoeLayer {
   void to_send_order(const TokenExchange& ex, float* dst /*[send rows, C]*/, const float* src /*[rows, C] expert-major*/);
   void grow_exchange_buffers(int64_t received_rows, int64_t sent_rows);
   bool padded_ = false;        // set_padded_exchange
+  bool balanced_gate_ = false; // set_balanced_gate
+  void balance_routing(int64_t N);
 
   // ---- placements (see enable_placements); implemented in moe_layer_replicas.cpp ----
   void ensure_replica_slots(int64_t slots);     // grows the slot buffers, keeping their contents

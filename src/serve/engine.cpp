@@ -87,12 +87,13 @@ const char* schedule_name(Schedule s) {
     case Schedule::lina: return "lina";
     case Schedule::lina_no_estimate: return "lina-no-estimate";
     case Schedule::lina_no_phase2: return "lina-no-phase2";
+    case Schedule::ideal: return "ideal";
   }
   return "?";
 }
 
 bool parse_schedule(const std::string& name, Schedule* out) {
-  for (Schedule s : {Schedule::ep, Schedule::lina, Schedule::lina_no_estimate, Schedule::lina_no_phase2})
+  for (Schedule s : {Schedule::ep, Schedule::lina, Schedule::lina_no_estimate, Schedule::lina_no_phase2, Schedule::ideal})
     if (name == schedule_name(s)) return *out = s, true;
   return false;
 }
@@ -101,7 +102,9 @@ void InferenceEngine::set_schedule(Schedule s, const plan::PathProfile* profile,
   schedule_ = s;
   profile_ = profile;
   world_ = nullptr;
-  if (s == Schedule::ep || !world || world->size() == 1) return;
+  for (const Block& b : blocks_)
+    if (b.moe) b.moe->set_balanced_gate(s == Schedule::ideal);
+  if (s == Schedule::ep || s == Schedule::ideal || !world || world->size() == 1) return;
   if ((s == Schedule::lina || s == Schedule::lina_no_phase2) &&
       (!profile || profile->moe_layers() != n_moe_ || profile->experts() != cfg_.n_experts))
     throw std::logic_error("InferenceEngine::set_schedule: lina needs a path profile of this model's MoE blocks");

@@ -37,10 +37,13 @@ struct Row {
 //                     gate; phase 2 re-plans with the real counts when the top-k experts differ
 //   lina_no_estimate  Lina planning only after the gate, from the real counts (every layer blocks on it)
 //   lina_no_phase2    Lina's phase 1 only: the estimate's plan, whatever the gate chooses
+//   ideal             ep with a perfectly balanced gate (MoeLayer::set_balanced_gate): the latency an even
+//                     load would have, the reference Lina's figures are normalised by. Its text is
+//                     meaningless.
 // The first MoE layer has no path to estimate from: lina plans it after the gate, lina_no_phase2 runs
 // it as ep.
-enum class Schedule { ep, lina, lina_no_estimate, lina_no_phase2 };
-// "ep", "lina", "lina-no-estimate", "lina-no-phase2"; parse_schedule returns false for other names.
+enum class Schedule { ep, lina, lina_no_estimate, lina_no_phase2, ideal };
+// "ep", "lina", "lina-no-estimate", "lina-no-phase2", "ideal"; parse_schedule returns false for other names.
 const char* schedule_name(Schedule s);
 bool parse_schedule(const std::string& name, Schedule* out);
 

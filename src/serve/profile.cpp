@@ -53,7 +53,7 @@ Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const 
                       const std::string& corpus, std::unique_ptr<plan::PathProfile>* profile) {
   Schedule s;
   if (!parse_schedule(name, &s))
-    return Status::error("--schedule '" + name + "' is not ep, lina, lina-no-estimate or lina-no-phase2");
+    return Status::error("--schedule '" + name + "' is not ep, lina, lina-no-estimate, lina-no-phase2 or ideal");
   if (s == Schedule::lina || s == Schedule::lina_no_phase2) {
     *profile = std::make_unique<plan::PathProfile>(engine.moe_blocks(), engine.config().n_experts);
     if (Status st = profile_routing(engine, world, corpus, 64, profile->get()); !st) return st;
