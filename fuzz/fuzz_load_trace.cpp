@@ -1,8 +1,9 @@
 // Fuzz target: the recorded-load-trace loader (sim/load.h: Load::make of a `moe train --metrics`
 // JSON-lines file, `moe sim --load FILE`), then what the simulator does with it: the loads of a
 // few steps and an expert-parallel graph's sizes from each (fill_ep_costs).
-// The input: byte 0 picks the ranks (1 + byte % 4) and whether the model drops tokens (bit 7:
-// capacity_factor 1.25); the rest is the file. The model is the tiny one of the checkpoint seeds
+// The input: byte 0 picks the ranks (1 + byte % 4), whether the model drops tokens (bit 7:
+// capacity_factor 1.25) and whether the exchange is padded (bit 6, DeepSpeed-MoE's); the rest is
+// the file. The model is the tiny one of the checkpoint seeds
 // (2 MoE layers of 4 experts, top-2), which the seed traces were recorded with.
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +42,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   opt.world = ranks;
   opt.ep_size = ranks == 3 ? 1 : ranks;  // divides the 4 experts
   opt.batch = batch;
+  opt.padded_exchange = (data[0] & 0x40) != 0;
   const moe::graph::EpStep step = moe::graph::build_ep_step(cfg, opt);
   for (int64_t s = 0; s < 3; ++s) {
     const moe::sim::StepLoad loads = load.step(s);
