@@ -1,5 +1,6 @@
 // Fuzz target: the checkpoint loader (model/checkpoint.h: load_checkpoint, read_checkpoint_weights;
-// runtime/sharded_checkpoint.h: load_sharded_checkpoint). The input is a checkpoint folder as pieces
+// runtime/sharded_checkpoint.h: load_sharded_checkpoint; runtime/trainer.h: check_resume, what
+// --resume checks in the loaded state). The input is a checkpoint folder as pieces
 // cut at fuzz_util.h's kFileSeparator:
 //   state.json, then model and optimizer .safetensors of part 0, of part 1, ... (as many parts as
 //   state.json's "parts" says when that is an integer in [1, 8], else 1; pieces beyond are ignored,
@@ -25,6 +26,8 @@
 #include "model/model.h"
 #include "model/optimizer.h"
 #include "runtime/sharded_checkpoint.h"
+#include "runtime/train_config.h"
+#include "runtime/trainer.h"
 
 namespace {
 
@@ -118,7 +121,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   json loaded_state;
   switch (size % 3) {
     case 0:
-      (void)moe::load_checkpoint(dir.string(), whole.model.params(), &whole.opt, &loaded_state);
+      if (moe::load_checkpoint(dir.string(), whole.model.params(), &whole.opt, &loaded_state)) {
+        // What `moe train --resume` does next with the state (the seeds' corpus hash, so mutations
+        // reach the identity check).
+        moe::TrainConfig resume;
+        resume.resume = dir.string();
+        int64_t start = 0;
+        (void)moe::check_resume(resume, loaded_state, 0xe50b513910a75b25ull, &start);
+      }
       break;
     case 1:
       (void)moe::runtime::load_sharded_checkpoint(dir.string(), sharded.opt.get(), &loaded_state);
