@@ -206,8 +206,21 @@ Status join_parts(const std::string& what, std::map<std::string, std::vector<Pie
       if (p.full_rows != shape[0] || rest != std::vector<int64_t>(shape.begin() + 1, shape.end()))
         return Status::error(what + ": the parts of tensor " + name + " disagree on its shape");
     }
+    // full_rows is a number from the file: before it sizes anything, the pieces must hold exactly
+    // that many rows between them, each row at least one element, so the whole tensor is no larger
+    // than the data read (else a corrupted "rows" could ask for terabytes).
+    int64_t held_rows = 0;
+    for (const Piece& p : list)
+      if (__builtin_add_overflow(held_rows, p.t.shape[0], &held_rows)) held_rows = -1;
+    if (held_rows != shape[0])
+      return Status::error(what + ": the parts of tensor " + name + " hold " +
+                           (held_rows < 0 ? std::string("too many") : std::to_string(held_rows)) + " rows, its full " +
+                           "row count is " + std::to_string(shape[0]));
     int64_t row_elems = 1;
-    for (size_t d = 1; d < shape.size(); ++d) row_elems *= shape[d];
+    for (size_t d = 1; d < shape.size(); ++d) row_elems *= shape[d];  // bounded: some piece holds a row
+    if (row_elems == 0)
+      return Status::error(what + ": tensor " + name + " is stored in pieces but its rows are empty (shape " +
+                           shape_str(shape) + ")");
     LoadedTensor whole;
     whole.shape = shape;
     whole.data.assign(static_cast<size_t>(shape[0] * row_elems), 0.0f);
@@ -246,15 +259,16 @@ Status read_kind(const std::string& dir, const json& st, const char* kind, std::
     const std::string file = part_file(kind, p, n_parts);
     std::string bytes;
     if (Status s = read_file((fs::path(dir) / file).string(), &bytes); !s) return Status::error(what + ": " + s.message());
-    size_t want_bytes = 0;
-    std::string want_sum;
-    try {
-      const json& f = st.at("files").at(file);
-      want_bytes = f.at("bytes").get<size_t>();
-      want_sum = f.at("fnv1a64").get<std::string>();
-    } catch (const json::exception&) {
+    // Typed look-ups, not get<>() in a try: get<size_t>() of an out-of-range float (1e300) is
+    // undefined behaviour, not an exception.
+    const json* entry = nullptr;
+    if (auto files = st.find("files"); files != st.end() && files->is_object())
+      if (auto e = files->find(file); e != files->end() && e->is_object()) entry = &*e;
+    if (!entry || !entry->contains("bytes") || !(*entry)["bytes"].is_number_unsigned() ||
+        !entry->contains("fnv1a64") || !(*entry)["fnv1a64"].is_string())
       return Status::error(what + ": state.json lacks the size and checksum of " + file);
-    }
+    const uint64_t want_bytes = (*entry)["bytes"].get<uint64_t>();
+    const std::string want_sum = (*entry)["fnv1a64"].get<std::string>();
     if (bytes.size() != want_bytes)
       return Status::error(what + ": " + file + " has " + std::to_string(bytes.size()) + " bytes, state.json says " +
                            std::to_string(want_bytes) + " (truncated or replaced)");
@@ -282,6 +296,9 @@ Status read_kind(const std::string& dir, const json& st, const char* kind, std::
                             std::all_of(r["rows"].begin(), r["rows"].end(), [](const json& x) { return x.is_number_integer(); });
         if (t.shape.empty() || (!range && !listed))
           return Status::error(what + ": " + file + " has malformed \"rows\" for tensor " + name);
+        if (range && r[0].get<int64_t>() > r[1].get<int64_t>() - t.shape[0])
+          return Status::error(what + ": " + file + " has \"rows\" " + r.dump() + " for tensor " + name + " of " +
+                               std::to_string(t.shape[0]) + " rows: past its full row count");
         if (range) {
           piece.first = r[0].get<int64_t>();
           piece.full_rows = r[1].get<int64_t>();

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <sstream>
 
@@ -33,8 +34,14 @@ Status read_key(const json& j, const char* key, T* v) {
     if constexpr (std::is_unsigned_v<T>) {
       if (x.is_number_unsigned() || x.get<int64_t>() >= 0) { *v = x.get<T>(); return Status::ok(); }
       return Status::error(std::string("config: '") + key + "' must be non-negative");
+    } else {
+      // In T's range first: get<T>() wraps, so "threads": 4294967297 would read as 1 thread.
+      using limits = std::numeric_limits<T>;
+      if (x.is_number_unsigned() ? x.get<uint64_t>() > static_cast<uint64_t>(limits::max())
+                                 : x.get<int64_t>() < limits::min() || x.get<int64_t>() > limits::max())
+        return Status::error(std::string("config: '") + key + "' (" + x.dump() + ") is out of range");
+      *v = x.get<T>();
     }
-    *v = x.get<T>();
   } else {
     if (!x.is_number()) return Status::error(std::string("config: '") + key + "' must be a number");
     *v = x.get<T>();

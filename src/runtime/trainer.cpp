@@ -929,6 +929,9 @@ json resume_identity(const TrainConfig& c) {
 
 Status check_resume(const TrainConfig& cfg, const json& state, uint64_t data_hash, int64_t* start) {
   try {
+    // Typed first: get<int64_t>() of a float out of range (1e300) is undefined behaviour, not an exception.
+    if (!state.at("step").is_number_integer() || state.at("step").get<int64_t>() < 0)
+      return Status::error("resume: " + cfg.resume + "/state.json has a step that is not an integer >= 0");
     *start = state.at("step").get<int64_t>();
     if (state.at("data_hash").get<std::string>() != hex64(data_hash))
       return Status::error("resume: checkpoint " + cfg.resume + " was trained on different data (corpus hash " +

@@ -412,7 +412,9 @@ std::vector<FinishedCollective> Collectives::advance(double t) {
 
   std::vector<int> done;
   done.swap(finished_now_);
-  for (const auto& [c, x] : ended) {
+  // Not a structured binding: the lambda below captures c, which clang before 16 cannot do with one.
+  for (const std::pair<int, int>& owner : ended) {
+    const int c = owner.first, x = owner.second;
     Running& r = running_[c];
     const Transfer& tr = r.transfers[x];
     --r.transfers_left;

@@ -121,6 +121,10 @@ Status Load::make(const LoadSpec& spec, const ModelConfig& cfg, int ranks, int64
     if (cfg.is_moe_layer(b)) l.moe_blocks_.push_back(static_cast<int>(b));
   l.moe_layers_ = static_cast<int>(l.moe_blocks_.size());
   if (spec.kind == LoadSpec::Kind::recorded) {
+    // A layer's counts sum to one step's assignments (tokens x top_k over every rank: millions). The
+    // bound keeps what fill_ep_costs makes of them, 4 * d_model * rows with rows up to n_experts
+    // times a count (padded exchange), inside int64; it is above 2^28 for the largest valid model.
+    const int64_t max_layer_count = (int64_t{1} << 60) / (cfg.d_model * cfg.n_experts);
     std::ifstream in(spec.file);
     if (!in) return Status::error(str_cat("load: cannot read ", spec.file));
     std::string line;
@@ -133,12 +137,16 @@ Status Load::make(const LoadSpec& spec, const ModelConfig& cfg, int ranks, int64
         return Status::error(str_cat("load: ", spec.file, " line ", n, ": not JSON (", e.what(), ")"));
       }
       if (!j.is_object() || !j.contains("tokens_per_expert")) continue;  // validation lines etc.
-      std::vector<std::vector<int64_t>> layers;
-      try {
-        layers = j.at("tokens_per_expert").get<std::vector<std::vector<int64_t>>>();
-      } catch (const nlohmann::json::exception&) {
+      // Element by element, not get<std::vector<std::vector<int64_t>>>(): that converts a float
+      // (1e300) to int64 with undefined behaviour instead of failing.
+      const nlohmann::json& recorded = j.at("tokens_per_expert");
+      bool integers = recorded.is_array();
+      for (size_t i = 0; integers && i < recorded.size(); ++i)
+        integers = recorded[i].is_array() && std::all_of(recorded[i].begin(), recorded[i].end(),
+                                                          [](const nlohmann::json& c) { return c.is_number_integer(); });
+      if (!integers)
         return Status::error(str_cat("load: ", spec.file, " line ", n, ": tokens_per_expert is not a list of lists of integers"));
-      }
+      std::vector<std::vector<int64_t>> layers = recorded.get<std::vector<std::vector<int64_t>>>();
       if (static_cast<int>(layers.size()) != l.moe_layers_)
         return Status::error(str_cat("load: ", spec.file, " line ", n, " has ", layers.size(),
                                      " MoE layers, the model has ", l.moe_layers_));
@@ -146,8 +154,13 @@ Status Load::make(const LoadSpec& spec, const ModelConfig& cfg, int ranks, int64
         if (static_cast<int64_t>(counts.size()) != cfg.n_experts)
           return Status::error(str_cat("load: ", spec.file, " line ", n, " has ", counts.size(),
                                        " experts per layer, the model has ", cfg.n_experts));
-        for (int64_t c : counts)
+        int64_t total = 0;
+        for (int64_t c : counts) {
           if (c < 0) return Status::error(str_cat("load: ", spec.file, " line ", n, ": a negative count"));
+          if (__builtin_add_overflow(total, c, &total) || total > max_layer_count)
+            return Status::error(str_cat("load: ", spec.file, " line ", n, ": a layer's counts sum to more than ",
+                                         max_layer_count, " assignments, more than one step of any run"));
+        }
       }
       l.recorded_.push_back(std::move(layers));
     }

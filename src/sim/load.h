@@ -56,7 +56,9 @@ using StepLoad = std::vector<std::vector<int64_t>>;
 class Load {
  public:
   // REQUIRES nothing; errors: a recorded file that cannot be read, has no "tokens_per_expert" lines,
-  // or whose layer count or expert count differs from cfg's (named), and cfg.validate() failing.
+  // or whose layer count or expert count differs from cfg's (named), a count that is not an integer
+  // >= 0, a layer whose counts sum past 2^60 / (d_model * n_experts) (no real step comes near; the
+  // simulator's byte counts stay in int64), and cfg.validate() failing.
   // tokens_per_rank: N = sequences per rank * seq_len.
   static Status make(const LoadSpec& spec, const ModelConfig& cfg, int ranks, int64_t tokens_per_rank, Load* out);
 
