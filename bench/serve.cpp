@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -85,7 +86,9 @@ Status make_prompts(std::vector<Prompt>* out) {
 // `moe serve` on 2 ranks in the background, stopped by SIGTERM.
 class ServerProcess {
  public:
+  // log: a fresh file for this server (a port read from an older server's log would be a dead one).
   ServerProcess(const std::string& checkpoint, const std::string& schedule, const std::string& log) : log_(log) {
+    std::filesystem::remove(log);
     const std::string cmd = std::string("exec ") + kMpiEnv + "mpirun -n 2 " + self_exe("moe") + " serve --checkpoint " +
                             checkpoint + " --schedule " + schedule + " --port 0 --threads 1 --slots-per-rank 8 2>" + log;
     const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
@@ -118,6 +121,7 @@ struct Outcome {
   double latency_s = 0, first_token_s = 0;
   int64_t tokens = 0;
   bool ok = false;
+  int status = 0;  // HTTP status, or minus httplib's error code
 };
 
 // One streamed request; latency from `sent` (its scheduled arrival in the open loop).
@@ -142,6 +146,7 @@ Outcome send(int port, const Prompt& p, int64_t max_tokens, uint64_t seed, Clock
   auto res = c.send(req);
   o.latency_s = std::chrono::duration<double>(Clock::now() - sent).count();
   o.ok = res && res->status == 200 && received.find("[DONE]") != std::string::npos;
+  o.status = res ? res->status : -static_cast<int>(res.error());
   o.tokens = max_tokens;
   return o;
 }
@@ -190,11 +195,11 @@ int serve(const BenchOptions& opt) {
   // Closed loop on ep: 8 clients back to back for 8 s, for the throughput the open loop is sized by.
   double closed_rate = 0;
   {
-    ServerProcess server(checkpoint, "ep", log);  // ep's throughput sizes every schedule's load
+    ServerProcess server(checkpoint, "ep", log + ".closed");  // ep's throughput sizes every schedule's load
     const int port = server.port();
     if (port == 0) {
       std::fprintf(stderr, "bench serve: the server did not start; its log:\n");
-      (void)std::system(("cat " + log + " >&2").c_str());
+      (void)std::system(("cat " + log + ".closed >&2").c_str());
       return 1;
     }
     std::atomic<int> next{0};
@@ -226,11 +231,11 @@ int serve(const BenchOptions& opt) {
   for (int round = 0; round < opt.repeats; ++round)
     for (size_t k = 0; k < schedules.size(); ++k) {
       std::fprintf(stderr, "bench serve: round %d, %s\n", round + 1, schedules[k].c_str());
-      ServerProcess server(checkpoint, schedules[k], log);
+      ServerProcess server(checkpoint, schedules[k], log + "." + std::to_string(round) + "." + schedules[k]);
       const int port = server.port();
       if (port == 0) {
         std::fprintf(stderr, "bench serve: the %s server did not start; its log:\n", schedules[k].c_str());
-        (void)std::system(("cat " + log + " >&2").c_str());
+        (void)std::system(("cat " + log + "." + std::to_string(round) + "." + schedules[k] + " >&2").c_str());
         return 1;
       }
       std::mt19937_64 rng(11);
@@ -257,7 +262,7 @@ int serve(const BenchOptions& opt) {
       for (const Outcome& o : open) {
         ++r.requests;
         if (!o.ok) {
-          ++r.failed;
+          if (r.failed++ == 0) std::fprintf(stderr, "bench serve: a %s request failed (status %d)\n", schedules[k].c_str(), o.status);
           continue;
         }
         r.latency.push_back(1e3 * o.latency_s), r.first_token.push_back(1e3 * o.first_token_s);
