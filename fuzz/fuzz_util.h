@@ -24,7 +24,16 @@ inline constexpr std::string_view kFileSeparator = "\n--moe-fuzz-next-file--\n";
 // file system, /tmp here, is 30 times slower and dominated the targets' time), else /tmp. Created on
 // first use and removed at exit.
 inline const std::filesystem::path& scratch_dir() {
-  static const std::filesystem::path dir = [] {
+  // Removed by its destructor at exit. (An atexit handler registered while this static was being built
+  // ran after it was destroyed and removed nothing: every replay test left its folder behind.)
+  struct Folder {
+    std::filesystem::path path;
+    ~Folder() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Folder folder{[] {
     namespace fs = std::filesystem;
     std::error_code ec;
     const fs::path base = std::getenv("TMPDIR") ? fs::path(std::getenv("TMPDIR"))
@@ -33,13 +42,9 @@ inline const std::filesystem::path& scratch_dir() {
     const fs::path p = base / ("moe-fuzz-" + std::to_string(::getpid()));
     fs::remove_all(p);
     fs::create_directories(p);
-    std::atexit([] {
-      std::error_code ec;
-      std::filesystem::remove_all(scratch_dir(), ec);
-    });
     return p;
-  }();
-  return dir;
+  }()};
+  return folder.path;
 }
 
 // A fresh, empty folder `name` under scratch_dir().
