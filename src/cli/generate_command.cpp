@@ -10,19 +10,13 @@ namespace moe::cli {
 CLI::App* add_generate_command(CLI::App& app, GenerateFlags* f) {
   CLI::App* c = app.add_subcommand("generate", "continue a prompt with a trained checkpoint (text streamed to stdout)");
   serve::GenerateConfig& g = f->cfg;
-  c->add_option("--checkpoint", g.checkpoint, "checkpoint folder (moe train --checkpoint-dir)")->required();
   c->add_option("--prompt", g.prompt, "text to continue (bytes; at most the model's seq_len)")->required();
   c->add_option("--max-tokens", g.max_tokens, "tokens (bytes) to generate");
   c->add_option("--temperature", g.sampling.temperature, "sampling temperature (0: greedy)");
   c->add_option("--top-k", g.sampling.top_k, "sample among the k most likely tokens (0: all)");
   c->add_option("--top-p", g.sampling.top_p, "then among the smallest set of probability >= p (1: all)");
   c->add_option("--seed", g.sampling.seed, "sampling seed (the same tokens for the same seed, on any rank count)");
-  c->add_option("--ranks", f->ranks, "spread the experts over N ranks started with mpirun (or run under mpirun yourself)")
-      ->check(CLI::NonNegativeNumber);
-  c->add_option("--schedule", g.schedule, "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2, or ideal (a balanced gate: a latency reference, not text)");
-  c->add_option("--threads", g.threads, "compute threads per rank (0: as moe train decides)");
-  c->add_option("--gemm", g.gemm, "GEMM kernel: onednn or openblas (default: the checkpoint's)");
-  c->add_option("--comm-timeout", g.comm_timeout_s, "seconds a collective may take before the job stops");
+  add_inference_options(c, &f->cfg.run, &f->ranks);
   return c;
 }
 

@@ -53,4 +53,16 @@ int run_under_mpirun(const std::vector<std::string>& argv, int ranks, const std:
   return launch(argv, ranks, command);
 }
 
+void add_inference_options(CLI::App* c, serve::InferenceOptions* opt, int* ranks) {
+  c->add_option("--checkpoint", opt->checkpoint, "checkpoint folder (moe train --checkpoint-dir)")->required();
+  c->add_option("--ranks", *ranks, "spread the experts over N ranks started with mpirun (or run under mpirun yourself)")
+      ->check(CLI::NonNegativeNumber);
+  c->add_option("--schedule", opt->schedule,
+                "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2, or ideal (a balanced "
+                "gate: a latency reference, not text)");
+  c->add_option("--threads", opt->threads, "compute threads per rank (0: as moe train decides)");
+  c->add_option("--gemm", opt->gemm, "GEMM kernel: onednn or openblas (default: the checkpoint's)");
+  c->add_option("--comm-timeout", opt->comm_timeout_s, "seconds a collective may take before the job stops");
+}
+
 }  // namespace moe::cli

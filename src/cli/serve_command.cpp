@@ -11,17 +11,11 @@ CLI::App* add_serve_command(CLI::App& app, ServeFlags* f) {
   CLI::App* c = app.add_subcommand(
       "serve", "serve a checkpoint over HTTP (POST /v1/completions, GET /metrics), batching requests continuously");
   serve::ServeConfig& s = f->cfg;
-  c->add_option("--checkpoint", s.checkpoint, "checkpoint folder (moe train --checkpoint-dir)")->required();
   c->add_option("--host", s.host, "address to listen on");
   c->add_option("--port", s.port, "port (0: any free one, printed)");
   c->add_option("--slots-per-rank", s.slots_per_rank, "sequences each rank runs at once");
   c->add_option("--max-queue", s.max_queue, "requests that may wait for a slot (more: 503)");
-  c->add_option("--ranks", f->ranks, "spread the experts over N ranks started with mpirun (or run under mpirun yourself)")
-      ->check(CLI::NonNegativeNumber);
-  c->add_option("--schedule", s.schedule, "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2, or ideal (a balanced gate: a latency reference, not text)");
-  c->add_option("--threads", s.threads, "compute threads per rank (0: as moe train decides)");
-  c->add_option("--gemm", s.gemm, "GEMM kernel: onednn or openblas (default: the checkpoint's)");
-  c->add_option("--comm-timeout", s.comm_timeout_s, "seconds a collective may take before the job stops");
+  add_inference_options(c, &f->cfg.run, &f->ranks);
   return c;
 }
 

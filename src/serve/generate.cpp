@@ -15,13 +15,10 @@
 namespace moe::serve {
 
 Status GenerateConfig::validate() const {
-  if (checkpoint.empty()) return Status::error("--checkpoint is required (a folder moe train --checkpoint-dir wrote)");
+  if (Status s = run.validate(); !s) return s;
   if (prompt.empty()) return Status::error("--prompt is empty: give at least one byte of text to continue");
   if (max_tokens < 1) return Status::error("--max-tokens (" + std::to_string(max_tokens) + ") must be >= 1");
-  if (!gemm.empty() && gemm != "onednn" && gemm != "openblas")
-    return Status::error("--gemm '" + gemm + "' is not onednn or openblas");
   if (Status s = sampling.validate(); !s) return Status::error("--" + s.message());
-  if (!(comm_timeout_s > 0)) return Status::error("--comm-timeout must be > 0 seconds");
   return Status::ok();
 }
 
@@ -30,41 +27,32 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
-// The lead's loop: prefill the prompt, then one decode row per token; when the context is full,
-// prefill again from the last T / 2 tokens.
+// The lead's loop: prefill the prompt, then one decode row per token (Sequence refills the context
+// when it is full).
 Status lead_generation(const GenerateConfig& cfg, Lockstep& ranks, const ModelConfig& mc, std::FILE* out) {
   const int64_t T = mc.seq_len, V = mc.vocab_size;
-  std::vector<int32_t> tokens(cfg.prompt.begin(), cfg.prompt.end());
-  for (int32_t& t : tokens) t = static_cast<uint8_t>(t);
+  Sequence seq;
+  for (char c : cfg.prompt) seq.tokens.push_back(static_cast<uint8_t>(c));
   Sampler sampler(cfg.sampling, 0);
   std::vector<PlacedRow> rows;
   std::vector<float> logits;
-  auto prefill_from = [&](int64_t first) {
+  auto step = [&] {
     rows.clear();
-    for (int64_t i = first; i < static_cast<int64_t>(tokens.size()); ++i)
-      rows.push_back({0, {0, static_cast<int32_t>(i - first), tokens[i], i + 1 == static_cast<int64_t>(tokens.size())}});
+    seq.add_rows(0, 0, &rows);
     return ranks.step(rows, &logits);
   };
   const Clock::time_point start = Clock::now();
-  if (Status s = prefill_from(0); !s) return s;
+  if (Status s = step(); !s) return s;
   const double prefill_ms = ms_since(start);
-  int64_t first = 0, refills = 0;  // tokens[first] sits at position 0 of the cache
+  int64_t refills = 0;
   const Clock::time_point decode_start = Clock::now();
   for (int64_t produced = 0;;) {
     const int32_t next = sampler.next(logits.data(), V);
-    tokens.push_back(next);
     std::fputc(next, out);
     std::fflush(out);
     if (++produced == cfg.max_tokens) break;
-    const int64_t pos = static_cast<int64_t>(tokens.size()) - 1 - first;
-    if (pos < T) {
-      rows.assign({{0, {0, static_cast<int32_t>(pos), next, true}}});
-      if (Status s = ranks.step(rows, &logits); !s) return s;
-    } else {
-      first = static_cast<int64_t>(tokens.size()) - T / 2;
-      ++refills;
-      if (Status s = prefill_from(first); !s) return s;
-    }
+    refills += seq.push(next, T);
+    if (Status s = step(); !s) return s;
   }
   const double decode_ms = ms_since(decode_start);
   const ScheduleStats& st = ranks.engine().schedule_stats();
@@ -91,7 +79,7 @@ Status run_generate(const GenerateConfig& cfg, std::FILE* out) {
   if (Status s = cfg.validate(); !s) return s;
   InferenceJob job;
   try {
-    if (Status s = job.start({cfg.checkpoint, 0, cfg.threads, cfg.gemm, cfg.comm_timeout_s}); !s) return job.fail(s);
+    if (Status s = job.start(cfg.run, 0); !s) return job.fail(s);
     const ModelConfig& mc = job.model->config();
     if (static_cast<int64_t>(cfg.prompt.size()) > mc.seq_len)
       return job.fail(Status::error("--prompt is " + std::to_string(cfg.prompt.size()) +
@@ -100,7 +88,7 @@ Status run_generate(const GenerateConfig& cfg, std::FILE* out) {
     InferenceEngine engine(*job.model, 1, mc.seq_len);
     std::unique_ptr<plan::PathProfile> profile;
     const std::string corpus = job.state["config"].value("data", std::string());
-    if (Status s = start_schedule(engine, job.world.get(), cfg.schedule, corpus, &profile); !s) return job.fail(s);
+    if (Status s = start_schedule(engine, job.world.get(), cfg.run.schedule, corpus, &profile); !s) return job.fail(s);
     Lockstep ranks(engine, job.world.get());
     if (!ranks.lead()) return job.fail(ranks.follow());
     return job.fail(lead_generation(cfg, ranks, mc, out));

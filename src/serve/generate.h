@@ -6,20 +6,17 @@
 #include <cstdio>
 #include <string>
 
+#include "serve/job.h"
 #include "serve/sampler.h"
 #include "util/status.h"
 
 namespace moe::serve {
 
 struct GenerateConfig {
-  std::string checkpoint;
+  InferenceOptions run;
   std::string prompt;
   int64_t max_tokens = 200;
   SamplingParams sampling;
-  int threads = 0;          // compute threads per rank (0: as moe train decides)
-  std::string gemm = "";    // "onednn" | "openblas"; empty: the checkpoint's kernel
-  std::string schedule = "ep";  // where the experts run (engine.h Schedule): ep, lina, ...
-  double comm_timeout_s = 60;
   Status validate() const;  // errors name the flag
 };
 

@@ -12,8 +12,8 @@ namespace moe::serve {
 
 using json = nlohmann::json;
 
-Status load_inference_model(const std::string& dir, int64_t max_batch, std::unique_ptr<Model>* model,
-                            json* state_out) {
+Status load_inference_model(const std::string& dir, int64_t extra_rows, std::unique_ptr<Model>* model,
+                            json* state_out, int64_t* max_rows) {
   json state;
   if (Status s = read_checkpoint_state(dir, &state); !s) return s;
   if (!state.contains("config") || !state["config"].is_object() || !state["config"].contains("model"))
@@ -21,14 +21,25 @@ Status load_inference_model(const std::string& dir, int64_t max_batch, std::uniq
   ModelConfig cfg;
   if (Status s = ModelConfig::from_json(state["config"]["model"], &cfg); !s)
     return Status::error("checkpoint " + dir + ": state.json's config.model: " + s.message());
-  auto m = std::make_unique<Model>(cfg, max_batch);
+  // The Model sizes its MoE layers' buffers by max_batch sequences of seq_len rows.
+  const int64_t rows = cfg.seq_len + extra_rows;
+  auto m = std::make_unique<Model>(cfg, (rows + cfg.seq_len - 1) / cfg.seq_len);
   if (Status s = load_checkpoint(dir, m->params(), nullptr, nullptr); !s) return s;
   *model = std::move(m);
   if (state_out) *state_out = std::move(state);
+  if (max_rows) *max_rows = rows;
   return Status::ok();
 }
 
-Status InferenceJob::start(const InferenceJobConfig& cfg) {
+Status InferenceOptions::validate() const {
+  if (checkpoint.empty()) return Status::error("--checkpoint is required (a folder moe train --checkpoint-dir wrote)");
+  if (!gemm.empty() && gemm != "onednn" && gemm != "openblas")
+    return Status::error("--gemm '" + gemm + "' is not onednn or openblas");
+  if (!(comm_timeout_s > 0)) return Status::error("--comm-timeout must be > 0 seconds");
+  return Status::ok();
+}
+
+Status InferenceJob::start(const InferenceOptions& cfg, int64_t extra_rows) {
   if (comm::started_by_mpirun()) {
     if (Status s = comm::MpiSession::start(&session); !s) return s;
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.comm_timeout_s * 1000));
@@ -40,15 +51,7 @@ Status InferenceJob::start(const InferenceJobConfig& cfg) {
   threads = plan.threads;
   omp_set_num_threads(threads);
   set_gemm_threads(threads);
-  json st;
-  if (Status s = read_checkpoint_state(cfg.checkpoint, &st); !s) return s;
-  ModelConfig mc;
-  if (st.contains("config") && st["config"].is_object() && st["config"].contains("model"))
-    (void)ModelConfig::from_json(st["config"]["model"], &mc);  // load_inference_model reports what is wrong
-  max_rows = mc.seq_len + cfg.extra_rows;
-  // The Model sizes its MoE layers' buffers by max_batch sequences of seq_len rows.
-  const int64_t max_batch = (max_rows + mc.seq_len - 1) / mc.seq_len;
-  if (Status s = load_inference_model(cfg.checkpoint, max_batch, &model, &state); !s) return s;
+  if (Status s = load_inference_model(cfg.checkpoint, extra_rows, &model, &state, &max_rows); !s) return s;
   const int64_t E = model->config().n_experts;
   if (E % size() != 0)
     return Status::error(std::to_string(size()) + " ranks cannot share the model's " + std::to_string(E) +

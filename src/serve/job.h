@@ -16,20 +16,21 @@
 
 namespace moe::serve {
 
-// A checkpoint's model for inference: its config (state.json's config.model), a Model sized for
-// max_batch sequences of seq_len tokens, the weights loaded and checked (load_checkpoint). *state:
-// the checkpoint's state.json (may be null). Errors name the folder or file.
-Status load_inference_model(const std::string& dir, int64_t max_batch, std::unique_ptr<Model>* model,
-                            nlohmann::json* state);
+// A checkpoint's model for inference: its config (state.json's config.model), a Model whose forward
+// may take seq_len + extra_rows rows (*max_rows, may be null), the weights loaded and checked
+// (load_checkpoint). *state: the checkpoint's state.json (may be null). Errors name the folder or file.
+Status load_inference_model(const std::string& dir, int64_t extra_rows, std::unique_ptr<Model>* model,
+                            nlohmann::json* state, int64_t* max_rows = nullptr);
 
-struct InferenceJobConfig {
+// What every inference command (moe generate, moe serve) is given: the checkpoint and how its ranks
+// run it.
+struct InferenceOptions {
   std::string checkpoint;
-  // Rows of one forward on a rank: a whole prompt (seq_len rows) plus this many more (decode rows
-  // of the other sequences).
-  int64_t extra_rows = 0;
-  int threads = 0;           // compute threads per rank (0: as moe train decides)
-  std::string gemm;          // "onednn" | "openblas"; empty: the checkpoint's kernel
+  int threads = 0;              // compute threads per rank (0: as moe train decides)
+  std::string gemm;             // "onednn" | "openblas"; empty: the checkpoint's kernel
+  std::string schedule = "ep";  // where the experts run across ranks (engine.h Schedule)
   double comm_timeout_s = 60;
+  Status validate() const;      // errors name the flag
 };
 
 struct InferenceJob {
@@ -42,10 +43,10 @@ struct InferenceJob {
   int rank() const { return world ? world->rank() : 0; }
   int size() const { return world ? world->size() : 1; }
 
-  // Collective over the ranks mpirun started (if any). Errors: MPI, the checkpoint, experts that
-  // the ranks cannot share evenly. On error a multi-rank job is in an unknown state: the caller
-  // ends it (fail()).
-  Status start(const InferenceJobConfig& cfg);
+  // Collective over the ranks mpirun started (if any). extra_rows: rows one forward may take beyond a
+  // whole prompt (load_inference_model). Errors: MPI, the checkpoint, experts that the ranks cannot
+  // share evenly. On error a multi-rank job is in an unknown state: the caller ends it (fail()).
+  Status start(const InferenceOptions& opt, int64_t extra_rows);
   // Returns s; when s is an error in a multi-rank job, ends the job (abort_job) so no rank hangs.
   Status fail(const Status& s);
 };

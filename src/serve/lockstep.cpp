@@ -13,6 +13,22 @@ constexpr int64_t kFields = 5;
 
 }  // namespace
 
+void Sequence::add_rows(int rank, int slot, std::vector<PlacedRow>* out) const {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (!prefill) {
+    out->push_back({rank, {slot, static_cast<int32_t>(n - 1 - first), tokens.back(), true}});
+    return;
+  }
+  for (int64_t i = first; i < n; ++i) out->push_back({rank, {slot, static_cast<int32_t>(i - first), tokens[i], i + 1 == n}});
+}
+
+bool Sequence::push(int32_t token, int64_t T) {
+  tokens.push_back(token);
+  prefill = static_cast<int64_t>(tokens.size()) - first > T;
+  if (prefill) first = static_cast<int64_t>(tokens.size()) - T / 2;
+  return prefill;
+}
+
 Lockstep::Lockstep(InferenceEngine& engine, comm::Communicator* world) : engine_(engine), world_(world) {
   if (world_ && world_->size() > 1) {
     rank_ = world_->rank();

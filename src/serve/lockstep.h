@@ -19,6 +19,21 @@ struct PlacedRow {
   Row row;
 };
 
+// One sequence as the lead runs it: its tokens and where its KV-cache slot stands. Its next step is
+// either a prefill of tokens[first..] at positions 0.. (a new prompt, or a refill) or one decode row.
+struct Sequence {
+  std::vector<int32_t> tokens;  // prompt and generated
+  int64_t first = 0;            // tokens[first] sits at position 0 of the slot's cache
+  bool prefill = true;
+  int64_t rows() const { return prefill ? static_cast<int64_t>(tokens.size()) - first : 1; }
+  // Appends this sequence's next rows for (rank, slot); the last asks for logits.
+  void add_rows(int rank, int slot, std::vector<PlacedRow>* out) const;
+  // The sampled token. When the context (T positions) is full, the next step goes on from the last
+  // T / 2 tokens, recomputed into the slot: the positions are learned, so the cache cannot be shifted.
+  // Returns whether it refills.
+  bool push(int32_t token, int64_t T);
+};
+
 // Thread safety: none; the thread that runs the engine calls it (it owns `world`).
 class Lockstep {
  public:

@@ -4,18 +4,9 @@
 #include <cmath>
 #include <numeric>
 
+#include "model/data.h"
+
 namespace moe::serve {
-
-namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
 
 Status SamplingParams::validate() const {
   if (!(temperature >= 0) || !std::isfinite(temperature))

@@ -31,13 +31,10 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 Status ServeConfig::validate() const {
-  if (checkpoint.empty()) return Status::error("--checkpoint is required (a folder moe train --checkpoint-dir wrote)");
+  if (Status s = run.validate(); !s) return s;
   if (port < 0 || port > 65535) return Status::error("--port (" + std::to_string(port) + ") must be in [0, 65535]");
   if (slots_per_rank < 1) return Status::error("--slots-per-rank must be >= 1");
   if (max_queue < 1) return Status::error("--max-queue must be >= 1");
-  if (!gemm.empty() && gemm != "onednn" && gemm != "openblas")
-    return Status::error("--gemm '" + gemm + "' is not onednn or openblas");
-  if (!(comm_timeout_s > 0)) return Status::error("--comm-timeout must be > 0 seconds");
   return Status::ok();
 }
 
@@ -65,13 +62,12 @@ struct Request {
 // What /metrics reports. Thread-safe.
 class Metrics {
  public:
-  void completed(double latency_s, double first_token_s, int64_t tokens) {
+  void completed(double latency_s, double first_token_s) {
     std::lock_guard<std::mutex> l(mu_);
     ++requests_;
     if (latency_.size() == kKeep) latency_.pop_front(), first_token_.pop_front();
     latency_.push_back(latency_s);
     first_token_.push_back(first_token_s);
-    (void)tokens;
   }
   void tokens(int64_t n) {
     std::lock_guard<std::mutex> l(mu_);
@@ -255,12 +251,9 @@ struct Running {
   std::shared_ptr<Request> req;
   int rank = 0, slot = 0;
   Sampler sampler;
-  std::vector<int32_t> tokens;  // prompt and generated
-  int64_t first = 0;            // tokens[first] sits at position 0 of the slot's cache
+  Sequence seq;
   int64_t produced = 0;
-  bool prefill = true;          // the next step (re)fills the cache from tokens[first..]
   Clock::time_point first_token;
-  int64_t rows() const { return prefill ? static_cast<int64_t>(tokens.size()) - first : 1; }
 };
 
 // The scheduler on rank 0: admits requests into free slots, runs one step of every running sequence
@@ -297,19 +290,12 @@ class Scheduler {
     std::vector<int64_t> used(free_.size(), 0);
     auto add = [&](size_t i) {
       const Running& r = running_[i];
-      used[r.rank] += r.rows();
+      used[r.rank] += r.seq.rows();
       scheduled_.push_back(i);
-      if (r.prefill) {
-        for (int64_t t = r.first; t < static_cast<int64_t>(r.tokens.size()); ++t)
-          rows_.push_back({r.rank, {r.slot, static_cast<int32_t>(t - r.first), r.tokens[t],
-                                    t + 1 == static_cast<int64_t>(r.tokens.size())}});
-      } else {
-        const int64_t pos = static_cast<int64_t>(r.tokens.size()) - 1 - r.first;
-        rows_.push_back({r.rank, {r.slot, static_cast<int32_t>(pos), r.tokens.back(), true}});
-      }
+      r.seq.add_rows(r.rank, r.slot, &rows_);
     };
     for (size_t i = 0; i < running_.size(); ++i)
-      if (used[running_[i].rank] + running_[i].rows() <= max_rows_) add(i);
+      if (used[running_[i].rank] + running_[i].seq.rows() <= max_rows_) add(i);
     while (!waiting_.empty()) {
       std::shared_ptr<Request> req = waiting_.front();
       if (req->cancelled.load()) {
@@ -323,7 +309,7 @@ class Scheduler {
           best = k;
       if (best < 0) break;
       waiting_.pop_front();
-      running_.push_back(Running{req, best, free_[best].back(), Sampler(req->sampling, 0), req->prompt, 0, 0, true, {}});
+      running_.push_back(Running{req, best, free_[best].back(), Sampler(req->sampling, 0), Sequence{req->prompt}, 0, {}});
       free_[best].pop_back();
       add(running_.size() - 1);
     }
@@ -337,19 +323,13 @@ class Scheduler {
     for (size_t j = 0; j < scheduled_.size(); ++j) {
       Running& r = running_[scheduled_[j]];
       const int32_t next = r.sampler.next(logits_.data() + j * V_, V_);
-      r.tokens.push_back(next);
-      r.prefill = false;
+      r.seq.push(next, T_);
       if (r.produced++ == 0) r.first_token = Clock::now();
       {
         std::lock_guard<std::mutex> l(r.req->mu);
         r.req->text.push_back(static_cast<char>(next));
       }
       r.req->cv.notify_all();
-      // The context is full: go on from the last T / 2 tokens, recomputed into the slot.
-      if (static_cast<int64_t>(r.tokens.size()) - r.first > T_) {
-        r.first = static_cast<int64_t>(r.tokens.size()) - T_ / 2;
-        r.prefill = true;
-      }
     }
     metrics_.tokens(static_cast<int64_t>(scheduled_.size()));
     // Finished or abandoned sequences free their slots for the next step.
@@ -364,18 +344,20 @@ class Scheduler {
     return Status::ok();
   }
 
+  // Counted in /metrics before the answer goes out, so a client that reads /metrics after its answer
+  // finds its request there.
   void finish(Running& r, const char* reason) {
     const Clock::time_point now = Clock::now();
+    if (r.produced > 0)
+      metrics_.completed(std::chrono::duration<double>(now - r.req->arrived).count(),
+                         std::chrono::duration<double>(r.first_token - r.req->arrived).count());
+    free_[r.rank].push_back(r.slot);
     {
       std::lock_guard<std::mutex> l(r.req->mu);
       r.req->done = true;
       r.req->finish_reason = reason;
     }
     r.req->cv.notify_all();
-    free_[r.rank].push_back(r.slot);
-    if (r.produced > 0)
-      metrics_.completed(std::chrono::duration<double>(now - r.req->arrived).count(),
-                         std::chrono::duration<double>(r.first_token - r.req->arrived).count(), r.produced);
   }
   static void finish_unstarted(Request& req) {
     {
@@ -483,13 +465,13 @@ Status run_serve(const ServeConfig& cfg) {
   InferenceJob job;
   try {
     // Rows of one forward on a rank: every slot decoding plus one whole prompt being prefilled.
-    if (Status s = job.start({cfg.checkpoint, cfg.slots_per_rank, cfg.threads, cfg.gemm, cfg.comm_timeout_s}); !s)
+    if (Status s = job.start(cfg.run, cfg.slots_per_rank); !s)
       return job.fail(s);
     const int64_t T = job.model->config().seq_len;
     InferenceEngine engine(*job.model, cfg.slots_per_rank, job.max_rows);
     std::unique_ptr<plan::PathProfile> profile;
     const std::string corpus = job.state["config"].value("data", std::string());
-    if (Status s = start_schedule(engine, job.world.get(), cfg.schedule, corpus, &profile); !s) return job.fail(s);
+    if (Status s = start_schedule(engine, job.world.get(), cfg.run.schedule, corpus, &profile); !s) return job.fail(s);
     Lockstep ranks(engine, job.world.get());
     if (!ranks.lead()) return job.fail(ranks.follow());
 
@@ -497,7 +479,7 @@ Status run_serve(const ServeConfig& cfg) {
     server.new_task_queue = [] { return new httplib::ThreadPool(64); };
     Inbox inbox(cfg.max_queue);
     Metrics metrics;
-    add_routes(server, inbox, metrics, T, std::filesystem::path(cfg.checkpoint).filename().string());
+    add_routes(server, inbox, metrics, T, std::filesystem::path(cfg.run.checkpoint).filename().string());
     const int port = cfg.port == 0 ? server.bind_to_any_port(cfg.host) : (server.bind_to_port(cfg.host, cfg.port) ? cfg.port : -1);
     if (port < 0)
       return job.fail(Status::error("cannot listen on " + cfg.host + ":" + std::to_string(cfg.port) +

@@ -23,20 +23,17 @@
 #include <cstdint>
 #include <string>
 
+#include "serve/job.h"
 #include "util/status.h"
 
 namespace moe::serve {
 
 struct ServeConfig {
-  std::string checkpoint;
+  InferenceOptions run;
   std::string host = "127.0.0.1";
   int port = 8000;                // 0: any free port (printed)
   int64_t slots_per_rank = 8;     // sequences each rank holds at once
   int64_t max_queue = 256;        // requests waiting beyond that get 503
-  int threads = 0;                // compute threads per rank (0: as moe train decides)
-  std::string gemm;               // empty: the checkpoint's kernel
-  std::string schedule = "ep";    // where the experts run across ranks (engine.h Schedule)
-  double comm_timeout_s = 60;
   Status validate() const;
 };
 
