@@ -39,6 +39,7 @@
 #include "bench/report.h"
 #include "model/data.h"
 #include "runtime/train_config.h"
+#include "util/quantile.h"
 #include "util/shell.h"
 
 namespace moe::bench {
@@ -151,11 +152,7 @@ Outcome send(int port, const Prompt& p, int64_t max_tokens, uint64_t seed, Clock
   return o;
 }
 
-double quantile(std::vector<double> v, double q) {
-  if (v.empty()) return std::nan("");
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(std::ceil(q * v.size())) - 1)];
-}
+double quantile(const std::vector<double>& v, double q) { return v.empty() ? std::nan("") : nearest_rank_quantile(v, q); }
 
 double metric(const std::string& text, const std::string& name) {
   const size_t at = text.find("\n" + name + " ");

@@ -16,6 +16,7 @@
 #include "model/model.h"
 #include "serve/engine.h"
 #include "serve/sampler.h"
+#include "util/quantile.h"
 #include "util/shell.h"
 
 #include <httplib.h>
@@ -158,6 +159,19 @@ TEST(Engine, RejectsRowsOutOfRange) {
 // ---- sampler -------------------------------------------------------------------------------
 
 const std::vector<float> kLogits = {1.0f, 3.0f, 2.5f, -1.0f, 0.0f, 2.9f};
+
+// The quantile /metrics and moe bench serve report: nearest rank, on closed-form cases.
+TEST(Quantile, NearestRank) {
+  const std::vector<double> v{10, 9, 8, 7, 6, 5, 4, 3, 2, 1};  // unsorted on purpose
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.5), 5);    // ceil(5.0) = 5th
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.51), 6);   // ceil(5.1) = 6th
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.95), 10);  // ceil(9.5) = 10th
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.0), 1);
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 1.0), 10);
+  EXPECT_EQ(moe::nearest_rank_quantile({42}, 0.99), 42);
+  EXPECT_THROW(moe::nearest_rank_quantile({}, 0.5), std::logic_error);
+  EXPECT_THROW(moe::nearest_rank_quantile(v, 1.5), std::logic_error);
+}
 
 TEST(Sampler, GreedyIsTheArgmaxAndTopK1IsGreedy) {
   moe::serve::Sampler greedy({0.0, 0, 1.0, 1}, 0);
