@@ -1,6 +1,7 @@
 #include "serve/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -137,7 +138,7 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
       for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
     estimate = profile_->estimate(m, paths, K);
     if (Status s = world_->allreduce(estimate.data(), E); !s) throw std::runtime_error(s.message());
-    place(moe, plan::lina_placement(estimate, moe->owners()));
+    place(moe, plan::lina_placement(estimate, moe->owners(), cost_ ? &*cost_ : nullptr, &moe->placement()));
     ++stats_.estimated;
   } else if (schedule_ == Schedule::lina_no_phase2) {
     place(moe, moe->owners());
@@ -151,7 +152,7 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
   stats_.accurate += accurate;
   const bool replan = schedule_ == Schedule::lina_no_estimate || (schedule_ == Schedule::lina && !accurate);
   if (replan) {
-    place(moe, plan::lina_placement(actual, moe->owners()));
+    place(moe, plan::lina_placement(actual, moe->owners(), cost_ ? &*cost_ : nullptr, &moe->placement()));
     stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
   }
   moe->ep_dispatch(&exchange_);
@@ -162,6 +163,33 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
 }
 
 InferenceEngine::~InferenceEngine() = default;
+
+double InferenceEngine::measure_expert_read_seconds() const {
+  // An integer sum (its additions may be reordered and vectorised, unlike a float sum's) over the
+  // weights' bits, kept live through `sink` so the reads are not optimised away.
+  std::vector<std::pair<const uint32_t*, int64_t>> spans;
+  int64_t experts = 0;
+  for (const Block& b : blocks_) {
+    if (!b.moe) continue;
+    for (Param* p : b.moe->expert_params())
+      if (p->value.numel() > 0)
+        spans.emplace_back(reinterpret_cast<const uint32_t*>(p->value.data()), static_cast<int64_t>(p->value.numel()));
+    experts += b.moe->expert_params().empty() ? 0 : b.moe->expert_params()[0]->value.shape()[0];
+  }
+  if (experts == 0) return 0;
+  static volatile uint64_t sink = 0;
+  double best = 0;
+  for (int round = 0; round < 3; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t sum = 0;
+    for (const auto& [data, n] : spans)
+      for (int64_t i = 0; i < n; ++i) sum += data[i];
+    sink = sink + sum;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (round == 0 || s < best) best = s;
+  }
+  return best / static_cast<double>(experts);
+}
 
 // Each row attends over its slot's cached positions 0..pos, with the arithmetic of
 // attention_forward (tensor/ops.cpp) so a decode step reproduces the training forward's values.
