@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <optional>
 #include <span>
 #include <vector>
@@ -112,8 +113,10 @@ class InferenceEngine {
  private:
   struct Block;  // one transformer block's weights (pointers into the model)
   void attention(int64_t l, std::span<const Row> rows);
-  // MoE block l (its m-th MoE block) under a schedule other than ep: y = tmp_, x = ln_.
-  void scheduled_moe(int64_t l, int64_t m, int64_t N);
+  // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
+  // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
+  std::future<void> start_phase1(int64_t l, int64_t m, int64_t N);
+  void scheduled_moe(int64_t l, int64_t N, std::future<void>* phase1);
   void place(MoeLayer* moe, const plan::LayerPlacement& p);
 
   Model& model_;
@@ -140,6 +143,7 @@ class InferenceEngine {
   const plan::PathProfile* profile_ = nullptr;
   comm::Communicator* world_ = nullptr;
   std::optional<plan::LinaCost> cost_;
+  std::vector<double> estimate_;  // phase 1's popularity estimate of the current MoE block ([E]; empty: none)
   ScheduleStats stats_;
   TokenExchange exchange_;
 };
