@@ -463,11 +463,22 @@ TEST_F(Distributed, ANonFiniteGradientIsNamedAndHandledAsConfigured) {
 // timings and every rank uses it, so every run prints the same kernel and the same losses and
 // gradient norms to the last bit (as the metrics file writes doubles: round-trip exact).
 TEST_F(Distributed, SameSeedSameKernelSameLossesBitForBit) {
+#if defined(__SANITIZE_THREAD__)
+  // Under ThreadSanitizer (5-15x slower) 20 steps of the default model do not fit the run's 240 s, and
+  // one rank can fall more than the default 60 s comm timeout behind the other: 3 steps, 600 s timeout.
+  const int steps = 3;
+  const std::string slow = "--comm-timeout 600 ";
+#else
+  const int steps = 20;
+  const std::string slow;
+#endif
   std::vector<std::vector<nlohmann::json>> runs;
   std::vector<std::string> kernels;
   for (int i = 0; i < 3; ++i) {
     const fs::path metrics = dir_ / (std::to_string(i) + ".jsonl");
-    TrainRun r = train(2, "--steps 20 --seed 1 --eval-batches 1 --log-every 10 --metrics " + metrics.string(),
+    TrainRun r = train(2,
+                       slow + "--steps " + std::to_string(steps) + " --seed 1 --eval-batches 1 --log-every 10 --metrics " +
+                           metrics.string(),
                        "OMP_NUM_THREADS=");  // no thread request: the ranks size their own threads
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const size_t at = r.output.find("gemm: ");
@@ -476,7 +487,7 @@ TEST_F(Distributed, SameSeedSameKernelSameLossesBitForBit) {
     std::printf("  run %d: %s\n", i, line.c_str());
     kernels.push_back(line.substr(6, line.find(' ', 6) - 6));
     runs.push_back(step_metrics(metrics));
-    ASSERT_EQ(runs.back().size(), 20u) << metrics;
+    ASSERT_EQ(runs.back().size(), static_cast<size_t>(steps)) << metrics;
   }
   for (int i = 1; i < 3; ++i) {
     EXPECT_EQ(kernels[i], kernels[0]);
@@ -487,7 +498,7 @@ TEST_F(Distributed, SameSeedSameKernelSameLossesBitForBit) {
           << "run " << i << " step " << k + 1;
     }
   }
-  std::printf("  step 20 loss %.17g in all three runs\n", runs[0].back()["loss"].get<double>());
+  std::printf("  step %d loss %.17g in all three runs\n", steps, runs[0].back()["loss"].get<double>());
 }
 
 }  // namespace
