@@ -60,10 +60,13 @@ int moe_layer(const BenchOptions& opt);
 int decode(const BenchOptions& opt);
 
 // bench/serve.cpp: `moe serve` on 2 ranks driven over HTTP by real-text requests of two domains in
-// unequal shares; a closed loop finds ep's throughput, then every schedule (ep and Lina's variants)
+// unequal shares, in two workloads (chat: short prompts, decode-bound; long prompts: prefill-bound);
+// per workload a closed loop finds ep's throughput, then every schedule (ep and Lina's variants, ideal)
 // gets the same Poisson arrivals at 70% of it: latency and time to first token p50/p95/p99, Lina's
 // estimation accuracy, re-plans and moved weights. Returns the exit code.
 int serve(const BenchOptions& opt);
+// The same on an emulated cluster of 2 hosts x 1 rank at 1 Gbit/s (root). Returns the exit code.
+int cluster_serve(const BenchOptions& opt);
 
 // nccl-tests' table (size, count, type, time, algbw, busbw, #wrong) for alltoallv (equal splits) and
 // allreduce (sum, in place), 1 KiB .. 64 MiB, next to the same operations through MPI directly

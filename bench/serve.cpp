@@ -1,17 +1,29 @@
 // moe bench serve: `moe serve` on 2 MPI ranks driven over HTTP by a trace of real-text requests whose
 // domains are skewed: 80% continue windows of the Python documentation (the corpus the model was
 // trained on), 20% windows of the GPL-3 text (/usr/share/common-licenses, on every Debian system), so
-// the routers see two kinds of text in unequal shares.
+// the routers see two kinds of text in unequal shares. `moe bench cluster-serve` runs the same on 2
+// emulated hosts (root; bench/emulated_cluster.h), the client in the fabric's namespace.
 //
-// First a closed loop (8 clients, each sending its next request when the last one is answered) finds
-// ep's throughput; then for every schedule (ideal, ep, lina, lina-no-estimate, lina-no-phase2; --repeats
-// interleaved rounds) a fresh server gets the same Poisson arrivals at 70% of it, the load a serving
-// system is sized for, and the client measures each request's latency (arrival to last token) and time
-// to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2 re-plans,
-// replicas and the expert weights moved.
+// Two workloads, each its own table: "chat" (short prompts, 48 new tokens: decode steps of a few rows,
+// bound by reading expert weights) and "long prompts" (96-120 prompt bytes, 8 new tokens, 32 slots per
+// rank: prefill steps of hundreds of rows, where an expert's work grows with its tokens and a hot expert
+// makes its rank the slowest: the batches Lina's replicas are for).
+//
+// Per workload, first a closed loop (clients sending their next request when the last one is answered)
+// finds ep's throughput; then for every schedule (ideal, ep, lina, lina-no-estimate, lina-no-phase2;
+// --repeats interleaved rounds) a fresh server gets the same Poisson arrivals at 70% of it, the load a
+// serving system is sized for, and the client measures each request's latency (arrival to last token)
+// and time to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2
+// re-plans, replicas and the expert weights moved.
 //
 // The model: $MOE_BENCH_CHECKPOINT if set, else the default model trained here for 200 steps on 2
-// ranks (about 2 minutes).
+// ranks (about 2 minutes) with --router-skew 1.5 (a fixed Zipf-shaped bias on every router) and a weak
+// balancing loss (--aux-loss-weight 0.001), so a few experts are hot at serving, as in the traces of
+// the Lina paper: at the end of its training the busiest expert of a layer draws 2.7-3.9x the mean
+// (measured 2026-11-26). With the default balancing loss the same training ends at 1.2-1.6x, and with
+// none the router collapses onto 2 experts.
+#include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -22,8 +34,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -36,6 +50,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
+#include "bench/emulated_cluster.h"
 #include "bench/report.h"
 #include "model/data.h"
 #include "runtime/train_config.h"
@@ -54,10 +69,20 @@ struct Prompt {
   bool other_domain = false;
 };
 
-// 400 prompts of 32-64 bytes: windows of the Python docs' validation split and, one in five, of the GPL-3.
-Status make_prompts(std::vector<Prompt>* out) {
+// What the clients send: prompts of [prompt_min, prompt_max] bytes, max_tokens new tokens each, to a
+// server with slots_per_rank sequences per rank; `clients` find the closed-loop throughput.
+struct Workload {
+  std::string name;
+  int prompt_min = 0, prompt_max = 0;
+  int64_t max_tokens = 0;
+  int slots_per_rank = 0;
+  int clients = 0;
+};
+
+// 400 prompts of w's lengths: windows of the Python docs' validation split and, one in five, of the GPL-3.
+Status make_prompts(const Workload& w, std::vector<Prompt>* out) {
   DataOptions o;
-  o.seq_len = 64;
+  o.seq_len = w.prompt_max;
   o.suffix = kDefaultCorpusSuffix;
   TextDataset docs;
   if (Status s = TextDataset::open(kDefaultCorpus, o, &docs); !s) return s;
@@ -69,7 +94,7 @@ Status make_prompts(std::vector<Prompt>* out) {
   std::mt19937_64 rng(7);
   const std::vector<uint8_t>& val = docs.val_data();
   for (int i = 0; i < 400; ++i) {
-    const size_t len = 32 + rng() % 33;
+    const size_t len = w.prompt_min + rng() % (w.prompt_max - w.prompt_min + 1);
     Prompt p;
     p.other_domain = i % 5 == 4;
     if (p.other_domain) {
@@ -84,14 +109,30 @@ Status make_prompts(std::vector<Prompt>* out) {
   return Status::ok();
 }
 
-constexpr const char* kListening = "listening on http://127.0.0.1:";  // moe serve's line; the port follows
+// Where the server's 2 ranks run and how the client reaches rank 0.
+struct Place {
+  std::string launch;  // the command line before `serve ...`: mpirun of this moe on 2 ranks
+  std::string listen;  // --host of moe serve
+  std::string host;    // the address the client connects to
+};
 
-// `moe serve` on 2 ranks with `schedule` in the background, its stderr to `log`; stopped by SIGTERM
-// when the returned process goes out of scope.
-BackgroundProcess start_server(const std::string& checkpoint, const std::string& schedule, const std::string& log) {
-  return BackgroundProcess(std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe") + " serve --checkpoint " + checkpoint +
-                               " --schedule " + schedule + " --port 0 --threads 1 --slots-per-rank 8",
+// `moe serve` with `schedule` in the background, its stderr to `log`; stopped by SIGTERM when the
+// returned process goes out of scope.
+BackgroundProcess start_server(const Place& at, const std::string& checkpoint, const std::string& schedule,
+                               const Workload& w, const std::string& log) {
+  return BackgroundProcess(at.launch + " serve --checkpoint " + checkpoint + " --schedule " + schedule + " --host " +
+                               at.listen + " --port 0 --threads 1 --slots-per-rank " + std::to_string(w.slots_per_rank),
                            log);
+}
+
+// The port of a started server (0: it did not start, its log printed).
+int wait_for_port(BackgroundProcess& server, const Place& at, const std::string& what, const std::string& log) {
+  const int port = server.wait_for_int_after("listening on http://" + at.listen + ":", 120);
+  if (port == 0) {
+    std::fprintf(stderr, "bench serve: the %s server did not start; its log:\n", what.c_str());
+    (void)std::system(("cat " + log + " >&2").c_str());
+  }
+  return port;
 }
 
 struct Outcome {
@@ -102,8 +143,8 @@ struct Outcome {
 };
 
 // One streamed request; latency from `sent` (its scheduled arrival in the open loop).
-Outcome send(int port, const Prompt& p, int64_t max_tokens, uint64_t seed, Clock::time_point sent) {
-  httplib::Client c("127.0.0.1", port);
+Outcome send(const std::string& host, int port, const Prompt& p, int64_t max_tokens, uint64_t seed, Clock::time_point sent) {
+  httplib::Client c(host, port);
   c.set_read_timeout(300, 0);
   const nlohmann::json body{{"prompt", p.text}, {"max_tokens", max_tokens}, {"temperature", 0.8},
                             {"seed", seed},     {"stream", true}};
@@ -135,56 +176,51 @@ double metric(const std::string& text, const std::string& name) {
   return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + name.size() + 2);
 }
 
-}  // namespace
+constexpr const char* kHotExperts = "--router-skew 1.5 --aux-loss-weight 0.001";  // see the top of the file
 
-int serve(const BenchOptions& opt) {
-  const ScratchDir scratch("moe_bench_serve_");
-  std::string checkpoint = std::getenv("MOE_BENCH_CHECKPOINT") ? std::getenv("MOE_BENCH_CHECKPOINT") : "";
-  if (checkpoint.empty()) {
-    checkpoint = (scratch.path() / "ck").string();
-    std::fprintf(stderr, "bench serve: training the default model for 200 steps on 2 ranks (set MOE_BENCH_CHECKPOINT to skip)\n");
-    const std::string cmd = std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe") +
-                            " train --steps 200 --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " +
-                            checkpoint + " >&2";
-    if (std::system(cmd.c_str()) != 0) {
-      std::fprintf(stderr, "bench serve: training failed\n");
-      return 1;
-    }
+// The checkpoint the bench serves: $MOE_BENCH_CHECKPOINT, else one trained into `scratch` (empty on failure).
+std::string bench_checkpoint(const ScratchDir& scratch) {
+  if (const char* given = std::getenv("MOE_BENCH_CHECKPOINT"); given && *given) return given;
+  const std::string checkpoint = (scratch.path() / "ck").string();
+  std::fprintf(stderr, "bench serve: training the default model (%s) for 200 steps on 2 ranks "
+                       "(set MOE_BENCH_CHECKPOINT to skip)\n", kHotExperts);
+  const std::string cmd = std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 200 " + kHotExperts +
+                          " --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " + checkpoint + " >&2";
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "bench serve: training failed\n");
+    return "";
   }
+  return checkpoint;
+}
+
+// One workload's table: ep's closed-loop throughput, then every schedule on the same Poisson trace at
+// 70% of it, opt.repeats rounds interleaved. Returns false when a server did not start.
+bool run_workload(const Place& at, const std::string& checkpoint, const Workload& w, const BenchOptions& opt,
+                  const std::string& log, Report& report) {
   std::vector<Prompt> prompts;
-  if (Status s = make_prompts(&prompts); !s) {
+  if (Status s = make_prompts(w, &prompts); !s) {
     std::fprintf(stderr, "bench serve: %s\n", s.message().c_str());
-    return 1;
+    return false;
   }
-  constexpr int64_t kMaxTokens = 48;
   const std::vector<std::string> schedules = {"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"};
-  Report report("serve",
-                "moe serve on 2 ranks (1 thread each, 8 slots per rank), streamed requests of 32-64 prompt bytes "
-                "(80% Python docs, 20% GPL-3) and " + std::to_string(kMaxTokens) + " new tokens, temperature 0.8; " +
-                    std::to_string(opt.repeats) + " interleaved rounds",
-                opt, /*uses_gemm=*/false);
-  const std::string log = (scratch.path() / "serve.log").string();
 
-  // Closed loop on ep: 8 clients back to back for 8 s, for the throughput the open loop is sized by.
+  // Closed loop on ep: w.clients back to back for 8 s, for the throughput the open loop is sized by.
   double closed_rate = 0;
   {
-    BackgroundProcess server = start_server(checkpoint, "ep", log + ".closed");  // ep's throughput sizes every schedule's load
-    const int port = server.wait_for_int_after(kListening, 120);
-    if (port == 0) {
-      std::fprintf(stderr, "bench serve: the server did not start; its log:\n");
-      (void)std::system(("cat " + log + ".closed >&2").c_str());
-      return 1;
-    }
+    const std::string closed_log = log + ".closed";
+    BackgroundProcess server = start_server(at, checkpoint, "ep", w, closed_log);  // ep's throughput sizes every schedule's load
+    const int port = wait_for_port(server, at, "ep", closed_log);
+    if (port == 0) return false;
     std::atomic<int> next{0};
     std::mutex mu;
     std::vector<Outcome> closed;
     const Clock::time_point t0 = Clock::now();
     std::vector<std::thread> clients;
-    for (int c = 0; c < 8; ++c)
+    for (int c = 0; c < w.clients; ++c)
       clients.emplace_back([&] {
         while (Clock::now() - t0 < std::chrono::seconds(8)) {
           const int i = next.fetch_add(1);
-          Outcome o = send(port, prompts[i % prompts.size()], kMaxTokens, i, Clock::now());
+          Outcome o = send(at.host, port, prompts[i % prompts.size()], w.max_tokens, i, Clock::now());
           std::lock_guard<std::mutex> l(mu);
           closed.push_back(o);
         }
@@ -203,32 +239,29 @@ int serve(const BenchOptions& opt) {
   std::vector<Result> results(schedules.size());
   for (int round = 0; round < opt.repeats; ++round)
     for (size_t k = 0; k < schedules.size(); ++k) {
-      std::fprintf(stderr, "bench serve: round %d, %s\n", round + 1, schedules[k].c_str());
-      BackgroundProcess server = start_server(checkpoint, schedules[k], log + "." + std::to_string(round) + "." + schedules[k]);
-      const int port = server.wait_for_int_after(kListening, 120);
-      if (port == 0) {
-        std::fprintf(stderr, "bench serve: the %s server did not start; its log:\n", schedules[k].c_str());
-        (void)std::system(("cat " + log + "." + std::to_string(round) + "." + schedules[k] + " >&2").c_str());
-        return 1;
-      }
+      std::fprintf(stderr, "bench serve: %s, round %d, %s\n", w.name.c_str(), round + 1, schedules[k].c_str());
+      const std::string server_log = log + "." + std::to_string(round) + "." + schedules[k];
+      BackgroundProcess server = start_server(at, checkpoint, schedules[k], w, server_log);
+      const int port = wait_for_port(server, at, schedules[k], server_log);
+      if (port == 0) return false;
       std::mt19937_64 rng(11);
       std::exponential_distribution<double> gap(rate);
       std::mutex mu;
       std::vector<Outcome> open;
       const Clock::time_point t1 = Clock::now();
       std::vector<std::thread> clients;
-      double at = 0;
-      for (int i = 0; at < 15.0; ++i, at += gap(rng)) {
-        const Clock::time_point when = t1 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at));
+      double arrival = 0;
+      for (int i = 0; arrival < 15.0; ++i, arrival += gap(rng)) {
+        const Clock::time_point when = t1 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival));
         std::this_thread::sleep_until(when);
         clients.emplace_back([&, i, when] {
-          Outcome o = send(port, prompts[(1000 + i) % prompts.size()], kMaxTokens, 1000 + i, when);
+          Outcome o = send(at.host, port, prompts[(1000 + i) % prompts.size()], w.max_tokens, 1000 + i, when);
           std::lock_guard<std::mutex> l(mu);
           open.push_back(o);
         });
       }
       for (auto& t : clients) t.join();
-      httplib::Client c("127.0.0.1", port);
+      httplib::Client c(at.host, port);
       auto metrics = c.Get("/metrics");
       const std::string m = metrics ? metrics->body : "";
       Result& r = results[k];
@@ -248,21 +281,66 @@ int serve(const BenchOptions& opt) {
       r.gathered += metric(m, "moe_schedule_gathered_bytes_total");
     }
 
-  char title[96];
-  std::snprintf(title, sizeof title, "Poisson arrivals at %.1f req/s (70%% of ep's closed-loop %.1f)", rate, closed_rate);
+  char title[192];
+  std::snprintf(title, sizeof title,
+                "%s: %d-%d prompt bytes, %lld new tokens, %d slots per rank; Poisson arrivals at %.1f req/s (70%% of "
+                "ep's closed-loop %.1f)",
+                w.name.c_str(), w.prompt_min, w.prompt_max, static_cast<long long>(w.max_tokens), w.slots_per_rank, rate,
+                closed_rate);
   report.table(title, {{"schedule", "", 0, 18}, {"requests", "", 0}, {"failed", "", 0}, {"latency p50", "ms", 0},
-                       {"p95", "ms", 0}, {"p99", "ms", 0}, {"p50 / ideal", "x", 2}, {"p95 / ideal", "x", 2}, {"first token p95", "ms", 0},
-                       {"estimate right", "%", 0}, {"re-planned", "%", 0}, {"replicas", "", 2}, {"gathered", "MB", 1}});
+                       {"p95", "ms", 0}, {"p99", "ms", 0}, {"p50 / ideal", "x", 2}, {"p95 / ideal", "x", 2},
+                       {"p95 / ep", "x", 2}, {"first token p95", "ms", 0}, {"estimate right", "%", 0},
+                       {"re-planned", "%", 0}, {"replicas", "", 2}, {"gathered", "MB", 1}});
   const double ideal_p50 = quantile(results[0].latency, 0.5), ideal_p95 = quantile(results[0].latency, 0.95);
+  const double ep_p95 = quantile(results[1].latency, 0.95);
   for (size_t k = 0; k < schedules.size(); ++k) {
     const Result& r = results[k];
     const double nan = std::nan("");
     const double p95 = quantile(r.latency, 0.95);
     report.row({schedules[k], r.requests, r.failed, quantile(r.latency, 0.5), p95, quantile(r.latency, 0.99),
-                quantile(r.latency, 0.5) / ideal_p50, p95 / ideal_p95, quantile(r.first_token, 0.95), r.estimated > 0 ? 100 * r.accurate / r.estimated : nan,
-                r.estimated > 0 ? 100 * r.replans / r.estimated : nan,
+                quantile(r.latency, 0.5) / ideal_p50, p95 / ideal_p95, p95 / ep_p95, quantile(r.first_token, 0.95),
+                r.estimated > 0 ? 100 * r.accurate / r.estimated : nan, r.estimated > 0 ? 100 * r.replans / r.estimated : nan,
                 r.layer_forwards > 0 ? r.replicas / r.layer_forwards : nan, r.gathered / 1e6});
   }
+  return true;
+}
+
+// Enters the network namespace at `path` on the calling thread (and the threads it starts after) for
+// its lifetime, then returns to the one it was in.
+class NetnsGuard {
+ public:
+  explicit NetnsGuard(const std::string& path) {
+    home_ = ::open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC);
+    const int target = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    entered_ = home_ >= 0 && target >= 0 && ::setns(target, CLONE_NEWNET) == 0;
+    if (target >= 0) ::close(target);
+  }
+  ~NetnsGuard() {
+    if (entered_) (void)::setns(home_, CLONE_NEWNET);
+    if (home_ >= 0) ::close(home_);
+  }
+  bool entered() const { return entered_; }
+
+ private:
+  int home_ = -1;
+  bool entered_ = false;
+};
+
+const std::vector<Workload>& workloads() {
+  static const std::vector<Workload> w = {{"chat", 32, 64, 48, 8, 8}, {"long prompts", 96, 120, 8, 32, 32}};
+  return w;
+}
+
+int serve_on(const Place& at, const std::string& where, const BenchOptions& opt, const ScratchDir& scratch,
+             const std::string& checkpoint) {
+  Report report(where == "local" ? "serve" : "cluster-serve",
+                "moe serve on " + std::string(where == "local" ? "2 local ranks" : "2 emulated hosts x 1 rank (1 Gbit/s)") +
+                    " (1 thread each), streamed requests of real text (80% Python docs, 20% GPL-3), temperature 0.8; " +
+                    std::to_string(opt.repeats) + " interleaved rounds of 15 s per schedule and workload",
+                opt, /*uses_gemm=*/false);
+  const std::string log = (scratch.path() / "serve.log").string();
+  for (const Workload& w : workloads())
+    if (!run_workload(at, checkpoint, w, opt, log + "." + std::to_string(w.slots_per_rank), report)) return 1;
   report.note("latency: from the request's scheduled send to its last streamed event; first token: to the first event "
               "with text (client side, over every round)");
   report.note("estimate right: MoE layer forwards whose phase-1 estimate had the gate's top-k experts (Lina's accuracy); "
@@ -270,7 +348,41 @@ int serve(const BenchOptions& opt) {
               "expert weights rank 0 sent and received for them (the schedule's /metrics)");
   report.note("ideal: ep with a perfectly balanced gate (every expert the same load; its text is meaningless), the "
               "reference the other schedules are normalised by, as in the Lina paper");
+  report.note(std::getenv("MOE_BENCH_CHECKPOINT") && *std::getenv("MOE_BENCH_CHECKPOINT")
+                  ? std::string("model: $MOE_BENCH_CHECKPOINT")
+                  : std::string("model: the default model trained here for 200 steps on 2 ranks with ") + kHotExperts +
+                        " (a few experts hot)");
   return report.finish(0);
+}
+
+}  // namespace
+
+int serve(const BenchOptions& opt) {
+  const ScratchDir scratch("moe_bench_serve_");
+  const std::string checkpoint = bench_checkpoint(scratch);
+  if (checkpoint.empty()) return 1;
+  const Place local{std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe"), "127.0.0.1", "127.0.0.1"};
+  return serve_on(local, "local", opt, scratch, checkpoint);
+}
+
+int cluster_serve(const BenchOptions& opt) {
+  const ScratchDir scratch("moe_bench_serve_");
+  const std::string checkpoint = bench_checkpoint(scratch);
+  if (checkpoint.empty()) return 1;
+  const EmulatedCluster cluster("moebench", "1gbit");
+  if (!cluster.up()) {
+    std::fprintf(stderr, "moe bench cluster-serve: %s\n", cluster.why().c_str());
+    return 1;
+  }
+  // The client runs where mpirun does, in the fabric's namespace; rank 0 listens on host 0's NIC
+  // (cluster.sh's first host, 10.213.0.1 on its default subnet).
+  const NetnsGuard fabric("/run/netns/moebench-head");
+  if (!fabric.entered()) {
+    std::fprintf(stderr, "moe bench cluster-serve: cannot enter the namespace moebench-head: %s\n", std::strerror(errno));
+    return 1;
+  }
+  const Place hosts{cluster.command("run -- " + self_exe("moe")), "0.0.0.0", "10.213.0.1"};
+  return serve_on(hosts, "cluster", opt, scratch, checkpoint);
 }
 
 }  // namespace moe::bench

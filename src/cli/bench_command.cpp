@@ -8,11 +8,11 @@ namespace moe::cli {
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   CLI::App* c = app.add_subcommand("bench", "run a benchmark and print its table (see bench/README.md)");
   c->add_option("name", f->name, "benchmark: moe-layer, decode, serve, collectives (under mpirun), ep-training, sparse-collectives (under mpirun), strategies, "
-                "cluster-collectives, cluster-ep-training, cluster-strategies (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
+                "cluster-collectives, cluster-ep-training, cluster-strategies, cluster-serve (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
                 "cuda (GPU kernels; needs a CUDA build and a GPU)")
       ->required()
       ->check(CLI::IsMember({"moe-layer", "decode", "serve", "collectives", "ep-training", "sparse-collectives", "strategies",
-                             "cluster-collectives", "cluster-ep-training", "cluster-strategies", "sim", "sim-fidelity",
+                             "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "sim", "sim-fidelity",
                              "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   c->add_option("--repeats", f->repeats, "timed repetitions (the median is reported)")->check(CLI::PositiveNumber);
@@ -43,6 +43,7 @@ int run_bench(const BenchFlags& f) {
   if (f.name == "cluster-collectives") return bench::cluster_collectives(opt);
   if (f.name == "cluster-ep-training") return bench::cluster_ep_training(opt);
   if (f.name == "cluster-strategies") return bench::cluster_strategies(opt);
+  if (f.name == "cluster-serve") return bench::cluster_serve(opt);
   if (f.name == "cuda") {
 #ifdef MOE_HAVE_CUDA
     return bench::cuda_kernels(opt);
