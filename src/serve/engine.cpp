@@ -207,43 +207,20 @@ double InferenceEngine::measure_expert_read_seconds() const {
   return best / static_cast<double>(experts);
 }
 
-// Each row attends over its slot's cached positions 0..pos, with the arithmetic of
-// attention_forward (tensor/ops.cpp) so a decode step reproduces the training forward's values.
+// Each row attends over its slot's cached positions 0..pos with attention_forward's arithmetic
+// (attend_query), so a decode step reproduces the training forward's values.
 void InferenceEngine::attention(int64_t l, std::span<const Row> rows) {
   const int64_t C = cfg_.d_model, NH = cfg_.n_heads, HS = C / NH, T = cfg_.seq_len;
   const int64_t N = static_cast<int64_t>(rows.size());
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
-  const float* kc = k_[l].data();
-  const float* vc = v_[l].data();
 #pragma omp parallel for collapse(2) schedule(dynamic, 4) if (N * NH > 8)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < NH; ++h) {
       const Row& r = rows[n];
-      const float* q = qkv_.data() + n * 3 * C + h * HS;
-      const float* keys = kc + static_cast<int64_t>(r.slot) * T * C + h * HS;
-      const float* values = vc + static_cast<int64_t>(r.slot) * T * C + h * HS;
+      const int64_t cache = static_cast<int64_t>(r.slot) * T * C + h * HS;  // position 0 of the slot, head h
       float* a = att_.data() + (n * NH + h) * T;
-      float mx = -INFINITY;
-      for (int64_t t2 = 0; t2 <= r.pos; ++t2) {
-        const float* k = keys + t2 * C;
-        float dot = 0;
-        for (int64_t i = 0; i < HS; ++i) dot += q[i] * k[i];
-        a[t2] = dot * scale;
-        mx = std::max(mx, a[t2]);
-      }
-      double sum = 0;
-      for (int64_t t2 = 0; t2 <= r.pos; ++t2) {
-        a[t2] = std::exp(a[t2] - mx);
-        sum += a[t2];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      float* o = atty_.data() + n * C + h * HS;
-      for (int64_t i = 0; i < HS; ++i) o[i] = 0;
-      for (int64_t t2 = 0; t2 <= r.pos; ++t2) {
-        const float w = a[t2] * inv;
-        const float* v = values + t2 * C;
-        for (int64_t i = 0; i < HS; ++i) o[i] += w * v[i];
-      }
+      attend_query(atty_.data() + n * C + h * HS, a, a, qkv_.data() + n * 3 * C + h * HS, k_[l].data() + cache,
+                   v_[l].data() + cache, C, r.pos + 1, HS, scale);
     }
 }
 

@@ -268,6 +268,30 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 
 // ---- attention -----------------------------------------------------------------------------------
 
+void attend_query(float* out, float* pre, float* att, const float* q, const float* k, const float* v, int64_t stride,
+                  int64_t n, int64_t HS, float scale) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + j * stride;
+    float dot = 0;
+    for (int64_t i = 0; i < HS; ++i) dot += q[i] * kj[i];
+    pre[j] = dot * scale;
+    mx = std::max(mx, pre[j]);
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    att[j] = std::exp(pre[j] - mx);
+    sum += att[j];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t j = 0; j < n; ++j) att[j] *= inv;
+  for (int64_t i = 0; i < HS; ++i) out[i] = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * stride;
+    for (int64_t i = 0; i < HS; ++i) out[i] += att[j] * vj[i];
+  }
+}
+
 void attention_forward(float* out, float* preatt, float* att, const float* qkv, int64_t B, int64_t T, int64_t C,
                        int64_t NH) {
   const int64_t HS = C / NH, C3 = 3 * C;
@@ -276,30 +300,11 @@ void attention_forward(float* out, float* preatt, float* att, const float* qkv, 
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < NH; ++h) {
-        const float* q = qkv + (b * T + t) * C3 + h * HS;
-        float* pre = preatt + ((b * NH + h) * T + t) * T;
+        const float* seq = qkv + b * T * C3 + h * HS;  // token 0's q of head h
         float* a = att + ((b * NH + h) * T + t) * T;
-        float mx = -INFINITY;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* k = qkv + (b * T + t2) * C3 + h * HS + C;
-          float dot = 0;
-          for (int64_t i = 0; i < HS; ++i) dot += q[i] * k[i];
-          pre[t2] = dot * scale;
-          mx = std::max(mx, pre[t2]);
-        }
-        double sum = 0;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          a[t2] = std::exp(pre[t2] - mx);
-          sum += a[t2];
-        }
-        float inv = static_cast<float>(1.0 / sum);
-        for (int64_t t2 = 0; t2 < T; ++t2) a[t2] = t2 <= t ? a[t2] * inv : 0.0f;
-        float* o = out + (b * T + t) * C + h * HS;
-        for (int64_t i = 0; i < HS; ++i) o[i] = 0;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* v = qkv + (b * T + t2) * C3 + h * HS + 2 * C;
-          for (int64_t i = 0; i < HS; ++i) o[i] += a[t2] * v[i];
-        }
+        attend_query(out + (b * T + t) * C + h * HS, preatt + ((b * NH + h) * T + t) * T, a, seq + t * C3, seq + C,
+                     seq + 2 * C, C3, t + 1, HS, scale);
+        for (int64_t t2 = t + 1; t2 < T; ++t2) a[t2] = 0.0f;
       }
 }
 

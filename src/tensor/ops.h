@@ -123,6 +123,12 @@ void rmsnorm_backward(float* dinp /*[N,C]*/, float* dweight /*[C]*/, const float
 // Scale 1/sqrt(HS); position t attends to positions <= t.
 void attention_forward(float* out /*[B,T,C]*/, float* preatt /*[B,NH,T,T]*/, float* att /*[B,NH,T,T]*/,
                        const float* qkv /*[B,T,3C]*/, int64_t B, int64_t T, int64_t C, int64_t NH);
+// One query's attention over n keys, the arithmetic attention_forward runs for every (b, t, h) and the
+// inference engine (serve/engine.cpp) for a row over its KV cache, so both give the same values:
+// key/value j at k + j * stride and v + j * stride ([HS] each); pre [n] the scaled scores, att [n] their
+// softmax (att may be pre), out [HS] = sum_j att[j] * v_j.
+void attend_query(float* out /*[HS]*/, float* pre /*[n]*/, float* att /*[n]*/, const float* q /*[HS]*/, const float* k,
+                  const float* v, int64_t stride, int64_t n, int64_t HS, float scale);
 // datt and dpreatt are scratch [B,NH,T,T] (overwritten).
 void attention_backward(float* dqkv /*[B,T,3C]*/, float* datt, float* dpreatt, const float* dout /*[B,T,C]*/,
                         const float* qkv, const float* att, int64_t B, int64_t T, int64_t C, int64_t NH);
