@@ -102,12 +102,16 @@ int decode(const BenchOptions& opt) {
         std::vector<serve::Row> rows;
         for (int32_t s = 0; s < B; ++s)
           for (int32_t p = 0; p < kPrompt; ++p) rows.push_back({s, p, (s * 31 + p * 7) % 256, p + 1 == kPrompt});
+        // Greedy: each sequence's next token is its logits' argmax.
+        std::vector<int32_t> next(B);
+        auto take_argmax = [&] {
+          for (int64_t s = 0; s < B; ++s)
+            next[s] = static_cast<int32_t>(std::max_element(logits.begin() + s * V, logits.begin() + (s + 1) * V) -
+                                           (logits.begin() + s * V));
+        };
         engine.forward(rows, logits.data());
         engine.take_expert_loads();
-        std::vector<int32_t> next(B);
-        for (int64_t s = 0; s < B; ++s)
-          next[s] = static_cast<int32_t>(std::max_element(logits.begin() + s * V, logits.begin() + (s + 1) * V) -
-                                         (logits.begin() + s * V));
+        take_argmax();
         double step_bytes = 0, step_flops = 0, total_ms = 0;
         for (int32_t step = 0; step < kSteps; ++step) {
           rows.clear();
@@ -115,9 +119,7 @@ int decode(const BenchOptions& opt) {
           const Clock::time_point t0 = Clock::now();
           engine.forward(rows, logits.data());
           total_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-          for (int64_t s = 0; s < B; ++s)
-            next[s] = static_cast<int32_t>(std::max_element(logits.begin() + s * V, logits.begin() + (s + 1) * V) -
-                                           (logits.begin() + s * V));
+          take_argmax();
           // What this step read: dense weights, every expert some row chose, each row's cached K and V.
           int64_t experts = 0;
           for (const auto& layer : engine.take_expert_loads())

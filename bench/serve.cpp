@@ -39,6 +39,7 @@
 #include "bench/report.h"
 #include "model/data.h"
 #include "runtime/train_config.h"
+#include "util/quantile.h"
 #include "util/shell.h"
 
 namespace moe::bench {
@@ -83,39 +84,15 @@ Status make_prompts(std::vector<Prompt>* out) {
   return Status::ok();
 }
 
-// `moe serve` on 2 ranks in the background, stopped by SIGTERM.
-class ServerProcess {
- public:
-  // log: a fresh file for this server (a port read from an older server's log would be a dead one).
-  ServerProcess(const std::string& checkpoint, const std::string& schedule, const std::string& log) : log_(log) {
-    std::filesystem::remove(log);
-    const std::string cmd = std::string("exec ") + kMpiEnv + "mpirun -n 2 " + self_exe("moe") + " serve --checkpoint " +
-                            checkpoint + " --schedule " + schedule + " --port 0 --threads 1 --slots-per-rank 8 2>" + log;
-    const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
-    if (posix_spawn(&pid_, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) != 0) pid_ = -1;
-  }
-  ~ServerProcess() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    int st = 0;
-    ::waitpid(pid_, &st, 0);
-  }
-  int port() const {
-    for (int i = 0; i < 1200 && pid_ > 0; ++i) {
-      std::ifstream f(log_);
-      std::stringstream s;
-      s << f.rdbuf();
-      const size_t at = s.str().find("listening on http://127.0.0.1:");
-      if (at != std::string::npos) return std::atoi(s.str().c_str() + at + 30);
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return 0;
-  }
+constexpr const char* kListening = "listening on http://127.0.0.1:";  // moe serve's line; the port follows
 
- private:
-  std::string log_;
-  pid_t pid_ = -1;
-};
+// `moe serve` on 2 ranks with `schedule` in the background, its stderr to `log`; stopped by SIGTERM
+// when the returned process goes out of scope.
+BackgroundProcess start_server(const std::string& checkpoint, const std::string& schedule, const std::string& log) {
+  return BackgroundProcess(std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe") + " serve --checkpoint " + checkpoint +
+                               " --schedule " + schedule + " --port 0 --threads 1 --slots-per-rank 8",
+                           log);
+}
 
 struct Outcome {
   double latency_s = 0, first_token_s = 0;
@@ -151,11 +128,7 @@ Outcome send(int port, const Prompt& p, int64_t max_tokens, uint64_t seed, Clock
   return o;
 }
 
-double quantile(std::vector<double> v, double q) {
-  if (v.empty()) return std::nan("");
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(std::ceil(q * v.size())) - 1)];
-}
+double quantile(const std::vector<double>& v, double q) { return v.empty() ? std::nan("") : nearest_rank_quantile(v, q); }
 
 double metric(const std::string& text, const std::string& name) {
   const size_t at = text.find("\n" + name + " ");
@@ -195,8 +168,8 @@ int serve(const BenchOptions& opt) {
   // Closed loop on ep: 8 clients back to back for 8 s, for the throughput the open loop is sized by.
   double closed_rate = 0;
   {
-    ServerProcess server(checkpoint, "ep", log + ".closed");  // ep's throughput sizes every schedule's load
-    const int port = server.port();
+    BackgroundProcess server = start_server(checkpoint, "ep", log + ".closed");  // ep's throughput sizes every schedule's load
+    const int port = server.wait_for_int_after(kListening, 120);
     if (port == 0) {
       std::fprintf(stderr, "bench serve: the server did not start; its log:\n");
       (void)std::system(("cat " + log + ".closed >&2").c_str());
@@ -231,8 +204,8 @@ int serve(const BenchOptions& opt) {
   for (int round = 0; round < opt.repeats; ++round)
     for (size_t k = 0; k < schedules.size(); ++k) {
       std::fprintf(stderr, "bench serve: round %d, %s\n", round + 1, schedules[k].c_str());
-      ServerProcess server(checkpoint, schedules[k], log + "." + std::to_string(round) + "." + schedules[k]);
-      const int port = server.port();
+      BackgroundProcess server = start_server(checkpoint, schedules[k], log + "." + std::to_string(round) + "." + schedules[k]);
+      const int port = server.wait_for_int_after(kListening, 120);
       if (port == 0) {
         std::fprintf(stderr, "bench serve: the %s server did not start; its log:\n", schedules[k].c_str());
         (void)std::system(("cat " + log + "." + std::to_string(round) + "." + schedules[k] + " >&2").c_str());

@@ -131,7 +131,8 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
   std::map<std::string, int64_t> replicas_peak;
   // Re-sharding every 2 steps moves expert shards with their Adam moments (Hecate's Alg. 2,
   // SmartMoE's swaps); the final checkpoint then holds non-contiguous expert rows per part.
-  const std::string resharding = hecate + " --reshard-every 2", smartmoe = "smartmoe --reshard-every 2";
+  // SmartMoE adopts a swap only when its saving beats the move: a slow assumed GEMM makes it pay here.
+  const std::string resharding = hecate + " --reshard-every 2", smartmoe = "smartmoe --reshard-every 2 --gemm-gflops 0.01";
   // FlexMoE re-plans its persistent replicas (at least every 2 steps; a slow assumed GEMM makes its
   // cost model accept moves at this tiny size).
   const std::string flexmoe = "flexmoe --reshard-every 2 --gemm-gflops 0.01";
@@ -139,6 +140,8 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
                         Case{resharding, 2}, Case{smartmoe, 2}, Case{flexmoe, 2}, Case{"deepspeed", 2},
                         Case{"deepspeed", 4}, Case{"ep", 4}, Case{hecate, 4},
                         Case{hecate + " --rematerialize", 4}, Case{"fastermoe --gemm-gflops 1", 4},
+                        // 2 nodes x 2 ranks: the replicas' gathers and gradient sums are topology-aware.
+                        Case{hecate + " --ranks-per-node 2", 4},
                         Case{resharding, 4}, Case{flexmoe, 4}}) {
     const std::string label = c.strategy + std::string(" on ").append(std::to_string(c.ranks)).append(" ranks");
     SCOPED_TRACE(label);

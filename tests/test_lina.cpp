@@ -82,6 +82,30 @@ TEST(LinaPlan, PopularExpertsGetReplicasOnTheLeastLoadedRanks) {
   EXPECT_EQ(moe::plan::lina_placement(std::vector<double>(8, 1.0), owners).replicas, owners.replicas);
 }
 
+// Priced: 4 experts on 2 ranks (owners 0, 0, 1, 1), expert 0 hot (30 of 36 tokens: 2 slots).
+// 1 ms a token, 0.5 ms to read an expert: rank 0 takes 30 + 0.5 + 2 + 0.5 = 33 ms, rank 1 5 ms; a
+// replica of expert 0 on rank 1 makes them 18 and 20.5: 12.5 ms saved. Kept for a 10 ms move, refused
+// for 20 ms unless rank 1 already holds it.
+TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
+  const LayerPlacement owners = moe::plan::even_placement(4, 2);
+  const std::vector<double> pop{30, 2, 2, 2};
+  moe::plan::LinaCost cost{1e-3, 0.5e-3, 10e-3};
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(owners, pop, cost), 33e-3);
+  const LayerPlacement cheap = moe::plan::lina_placement(pop, owners, &cost);
+  EXPECT_EQ(cheap.replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(cheap, pop, cost), 20.5e-3);
+  cost.move_seconds = 20e-3;
+  EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost).replicas, owners.replicas);
+  EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost, &cheap).replicas[0], (std::vector<int>{0, 1}));
+  // A decode-sized batch (6 tokens) at 10 us a token: reading the weights dominates, and a replica
+  // makes its new holder read them too (1.04 ms -> 1.535 ms on rank 1): refused even when held.
+  const std::vector<double> small{3, 1, 1, 1};
+  const moe::plan::LinaCost decode{10e-6, 0.5e-3, 0};
+  EXPECT_EQ(moe::plan::lina_slots(small, 2)[0], 2);  // the unpriced rule would replicate it
+  EXPECT_EQ(moe::plan::lina_placement(small, owners).replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(moe::plan::lina_placement(small, owners, &decode, &cheap).replicas, owners.replicas);
+}
+
 TEST(LinaPlan, TopExpertsBreakTiesToTheLowerIndex) {
   EXPECT_EQ(moe::plan::top_experts({1, 3, 3, 2}, 2), (std::vector<int>{1, 2}));
   EXPECT_EQ(moe::plan::top_experts({5, 1, 5, 5}, 2), (std::vector<int>{0, 2}));

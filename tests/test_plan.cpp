@@ -742,6 +742,34 @@ TEST(SmartMoe, KeepsThePlacementWhenTheMaxWouldNotStrictlyDrop) {
   EXPECT_THROW(smartmoe_plan({0, 0, 1, 1}, 2, {1, 1, 1, 1}, 10, SmartMoeConfig{0}), std::logic_error);
 }
 
+// Priced: the swap of GreedySwapAdoptedWhenTheMaxDrops saves (70 - 50) tokens x 1 ms x 10 steps = 200 ms
+// a interval; each rank receives one expert of 3 MB. At 100 MB/s the move takes 30 ms: adopted. At
+// 10 MB/s, 300 ms: kept as it is. A nearly balanced layer (the natural imbalance of an unskewed
+// router) never pays for a move over a slow link.
+TEST(SmartMoe, PricedSwapAdoptedOnlyWhenItsSavingBeatsTheMove) {
+  SmartMoeConfig cfg;
+  cfg.expert_seconds_per_token = 1e-3, cfg.expert_state_bytes = 3'000'000, cfg.bandwidth = 100e6;
+  const SmartMoePlan fast = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 10, cfg);
+  EXPECT_TRUE(fast.adopted);
+  EXPECT_EQ(fast.owner, (std::vector<int>{0, 1, 1, 0}));
+  EXPECT_DOUBLE_EQ(fast.saved_seconds, 0.2);
+  EXPECT_DOUBLE_EQ(fast.move_seconds, 0.03);
+  cfg.bandwidth = 10e6;
+  const SmartMoePlan slow = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 10, cfg);
+  EXPECT_TRUE(slow.evaluated);
+  EXPECT_FALSE(slow.adopted);
+  EXPECT_EQ(slow.owner, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_TRUE(slow.moves.empty());
+  EXPECT_DOUBLE_EQ(slow.move_seconds, 0.3);
+  // 4% apart, as an unskewed router leaves them: unpriced it swaps, priced at 1 Gbit/s it does not.
+  const std::vector<double> near{260, 250, 245, 245};
+  EXPECT_TRUE(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, SmartMoeConfig{}).adopted);
+  cfg.expert_seconds_per_token = 50e-6, cfg.expert_state_bytes = 3 * 8'388'608, cfg.bandwidth = 125e6;
+  EXPECT_FALSE(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, cfg).adopted);
+  cfg.bandwidth = 0;
+  EXPECT_THROW(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, cfg), std::logic_error);  // half priced
+}
+
 TEST(SmartMoe, ReducesTheMaxRankLoadOnZipfAndNeverIncreasesIt) {
   for (int R : {2, 4, 8}) {
     const int E = 16;

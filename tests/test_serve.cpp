@@ -16,6 +16,7 @@
 #include "model/model.h"
 #include "serve/engine.h"
 #include "serve/sampler.h"
+#include "util/quantile.h"
 #include "util/shell.h"
 
 #include <httplib.h>
@@ -158,6 +159,19 @@ TEST(Engine, RejectsRowsOutOfRange) {
 // ---- sampler -------------------------------------------------------------------------------
 
 const std::vector<float> kLogits = {1.0f, 3.0f, 2.5f, -1.0f, 0.0f, 2.9f};
+
+// The quantile /metrics and moe bench serve report: nearest rank, on closed-form cases.
+TEST(Quantile, NearestRank) {
+  const std::vector<double> v{10, 9, 8, 7, 6, 5, 4, 3, 2, 1};  // unsorted on purpose
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.5), 5);    // ceil(5.0) = 5th
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.51), 6);   // ceil(5.1) = 6th
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.95), 10);  // ceil(9.5) = 10th
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 0.0), 1);
+  EXPECT_EQ(moe::nearest_rank_quantile(v, 1.0), 10);
+  EXPECT_EQ(moe::nearest_rank_quantile({42}, 0.99), 42);
+  EXPECT_THROW(moe::nearest_rank_quantile({}, 0.5), std::logic_error);
+  EXPECT_THROW(moe::nearest_rank_quantile(v, 1.5), std::logic_error);
+}
 
 TEST(Sampler, GreedyIsTheArgmaxAndTopK1IsGreedy) {
   moe::serve::Sampler greedy({0.0, 0, 1.0, 1}, 0);
@@ -327,56 +341,7 @@ TEST_F(InferenceCli, BadInputGetsOneClearError) {
 
 // ---- moe serve, through the binary and HTTP ------------------------------------------------
 
-// A `moe serve` started in the background (its stderr in a file), stopped by SIGTERM as a user's
-// Ctrl-C or a process manager would.
-class Server {
- public:
-  Server(const std::string& args, const fs::path& log) : log_(log) {
-    const std::string cmd = "exec " + std::string(MOE_BIN) + " serve " + args + " --port 0 2>" + log.string();
-    const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
-    if (posix_spawn(&pid_, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) != 0) pid_ = -1;
-  }
-  ~Server() {
-    if (pid_ > 0) stop();
-  }
-  // The port from "serve: listening on http://127.0.0.1:PORT", or 0 after 90 s.
-  int port() {
-    for (int i = 0; i < 900; ++i) {
-      const std::string text = log();
-      const size_t at = text.find("listening on http://127.0.0.1:");
-      if (at != std::string::npos) return std::atoi(text.c_str() + at + 30);
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return 0;
-  }
-  // SIGTERM, then the exit status (-1 if it had to be killed after 60 s).
-  int stop() {
-    ::kill(pid_, SIGTERM);
-    int status = 0;
-    for (int i = 0; i < 600; ++i) {
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return -1;
-  }
-  std::string log() const {
-    std::ifstream f(log_);
-    std::stringstream s;
-    s << f.rdbuf();
-    return s.str();
-  }
-
- private:
-  fs::path log_;
-  pid_t pid_ = -1;
-};
-
+// One completion request; its HTTP status in *status (-1: no answer).
 nlohmann::json post(int port, const nlohmann::json& body, int* status) {
   httplib::Client c("127.0.0.1", port);
   c.set_read_timeout(120, 0);
@@ -392,8 +357,10 @@ nlohmann::json post(int port, const nlohmann::json& body, int* status) {
 // (Batching.RaggedRowsOfSeveralSequencesEqualEachAlone bounds the logit difference at 1e-5
 // relative), so a greedy token could differ only at a near-tie; none does here.
 TEST_F(InferenceCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
-  Server server("--checkpoint " + (dir_ / "ck").string() + " --ranks 2 --slots-per-rank 3", dir_ / "serve.log");
-  const int port = server.port();
+  moe::BackgroundProcess server(std::string(MOE_BIN) + " serve --checkpoint " + (dir_ / "ck").string() +
+                                    " --ranks 2 --slots-per-rank 3 --port 0",
+                                (dir_ / "serve.log").string());
+  const int port = server.wait_for_int_after("listening on http://127.0.0.1:", 90);
   ASSERT_GT(port, 0) << server.log();
   const int n = 8;
   std::vector<std::string> prompts, answers(n);
@@ -454,7 +421,7 @@ TEST_F(InferenceCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   EXPECT_NE(metrics->body.find("moe_request_latency_seconds{quantile=\"0.95\"}"), std::string::npos);
   // SIGTERM to mpirun reaches every rank: rank 0 answers what is running, tells the others, and all
   // return. (mpirun itself exits 1 after forwarding a signal, however its ranks ended.)
-  EXPECT_NE(server.stop(), -1) << "did not stop within 60 s\n" << server.log();
+  EXPECT_NE(server.stop(60), -1) << "did not stop within 60 s\n" << server.log();
   EXPECT_NE(server.log().find("serve: stopped"), std::string::npos) << server.log();
   EXPECT_EQ(server.log().find("error"), std::string::npos) << server.log();
 }

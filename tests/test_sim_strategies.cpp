@@ -68,10 +68,14 @@ TEST(SimStrategies, SparseOpBytesEqualThePlansPeerBytes) {
   std::vector<LayerStepPlacement> layers;
   for (int i = 0; i < 2; ++i) layers.push_back(layer_step_placement(m, opt, owners, planned, placed, nodes, counts));
   const int64_t chunk = m.d_ffn * m.d_model * 4;
-  const comm::SparsePlan ag = comm::plan_sparse_allgather(chunks_of(owners, W), chunks_of(planned, W), R);
-  const comm::SparsePlan ag2 = comm::plan_sparse_allgather(chunks_of(planned, W), chunks_of(placed, W), R);
-  const comm::SparsePlan reag = comm::plan_sparse_allgather(chunks_of(owners, W), chunks_of(placed, W), R);
-  const comm::SparsePlan rs = comm::plan_sparse_reduce_scatter(chunks_of(placed, W), chunks_of(owners, W), R);
+  // The runtime's plans: topology-aware over the same nodes (each copy crosses into a node once).
+  const std::vector<int>& node_of = nodes.node_of_rank;
+  const comm::SparsePlan ag = comm::plan_sparse_allgather(chunks_of(owners, W), chunks_of(planned, W), R, node_of);
+  const comm::SparsePlan ag2 =
+      comm::plan_sparse_allgather(chunks_of(planned, W), chunks_of(placed, W), R, node_of);
+  const comm::SparsePlan reag = comm::plan_sparse_allgather(chunks_of(owners, W), chunks_of(placed, W), R, node_of);
+  const comm::SparsePlan rs =
+      comm::plan_sparse_reduce_scatter(chunks_of(placed, W), chunks_of(owners, W), R, node_of);
   const auto rows = plan::dispatch_plan(placed, nodes, counts);
   int checked = 0;
   for (int r = 0; r < R; ++r) {

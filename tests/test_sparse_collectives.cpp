@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -295,6 +296,61 @@ TEST(SparsePlan, ReduceScatterSumsEveryPartialOnceIntoEveryOwner) {
   }
 }
 
+// Transfers between nodes in a plan.
+int64_t crossings(const SparsePlan& plan, std::span<const int> node_of) {
+  int64_t n = 0;
+  for (const auto& round : plan.rounds)
+    for (const ChunkTransfer& t : round) n += node_of[t.src] != node_of[t.dst];
+  return n;
+}
+
+// A broadcast from `have` to `need` crosses into each node that needs the chunk and holds none: once.
+int64_t least_crossings(const Placement& have, const Placement& need, std::span<const int> node_of) {
+  int64_t n = 0;
+  const int nodes = *std::max_element(node_of.begin(), node_of.end()) + 1;
+  for (size_t c = 0; c < have.size(); ++c)
+    for (int node = 0; node < nodes; ++node) {
+      bool needs = false, has = false;
+      for (int r : need[c]) needs |= node_of[r] == node && !holds(have, c, r);
+      for (int r : have[c]) has |= node_of[r] == node;
+      n += needs && !has;
+    }
+  return n;
+}
+
+TEST(SparsePlan, TopologyAwarePlansCrossIntoEachNodeOnce) {
+  // 2 nodes x 2 ranks, chunk 0 of rank 0 wanted everywhere: one copy crosses (the flat plan sends
+  // two), to rank 2, which passes it to rank 3; rank 1 gets it from rank 0.
+  const std::vector<int> two_by_two{0, 0, 1, 1};
+  const SparsePlan hot = plan_sparse_allgather({{0}}, {{0, 1, 2, 3}}, 4, two_by_two);
+  EXPECT_EQ(replay_allgather(hot, {{0}}, {{0, 1, 2, 3}}), "");
+  EXPECT_EQ(crossings(hot, two_by_two), 1);
+  EXPECT_EQ(crossings(plan_sparse_allgather({{0}}, {{0, 1, 2, 3}}, 4), two_by_two), 2);
+  for (int P : {2, 3, 4, 8, 13}) {
+    std::mt19937 rng(static_cast<uint32_t>(P));
+    for (int layout = 0; layout < 3; ++layout) {
+      // Two equal nodes, nodes of 2 ranks (the last may hold 1), then random uneven nodes.
+      std::vector<int> node_of(P);
+      for (int r = 0; r < P; ++r)
+        node_of[r] = layout == 0 ? 2 * r / P : layout == 1 ? r / 2 : static_cast<int>(rng() % 3);
+      for (const Case& k : cases(P)) {
+        SCOPED_TRACE(str_cat(k.name, ", ", P, " ranks, layout ", layout));
+        const SparsePlan ag = plan_sparse_allgather(k.p0, k.p1, P, node_of);
+        EXPECT_EQ(replay_allgather(ag, k.p0, k.p1), "");
+        EXPECT_EQ(crossings(ag, node_of), least_crossings(k.p0, k.p1, node_of));
+        EXPECT_EQ(ag, plan_sparse_allgather(k.p0, k.p1, P, node_of)) << "not deterministic";
+        const SparsePlan rs = plan_sparse_reduce_scatter(k.p1, k.p0, P, node_of);
+        EXPECT_EQ(replay_reduce_scatter(rs, k.p1, k.p0), "");
+        Placement primary(k.p0.size());
+        for (size_t c = 0; c < k.p0.size(); ++c) primary[c] = {k.p0[c].front()};
+        EXPECT_EQ(crossings(rs, node_of),
+                  least_crossings(primary, k.p1, node_of) + least_crossings(primary, k.p0, node_of));
+      }
+    }
+  }
+  EXPECT_THROW(plan_sparse_allgather({{0}}, {{0, 1}}, 2, std::vector<int>{0}), std::logic_error);
+}
+
 TEST(SparsePlan, BalancedHotChunksMeetTheReceiveBoundAndSpreadTheSends) {
   // Each of P ranks owns K chunks; h of each rank's chunks are replicated everywhere (Hecate's
   // first branch of Alg. 1 with the hot experts spread over owners). Every rank must receive
@@ -407,14 +463,14 @@ std::vector<float> dense_reduce_scatter(Communicator& comm, const Case& k, int64
   return all;
 }
 
-int64_t check_allgather(Communicator& comm, const Case& k, int64_t n) {
+int64_t check_allgather(Communicator& comm, const Case& k, int64_t n, std::span<const int> node_of = {}) {
   const int r = comm.rank();
   const int64_t C = static_cast<int64_t>(k.p0.size());
   Buffers b(k, r, n);
   for (int64_t c = 0; c < C; ++c)
     if (holds(k.p0, c, r))
       for (int64_t i = 0; i < n; ++i) b.data[c][i] = param(c, i);
-  SparsePlan plan = plan_sparse_allgather(k.p0, k.p1, comm.size());
+  SparsePlan plan = plan_sparse_allgather(k.p0, k.p1, comm.size(), node_of);
   Status st = sparse_allgather(comm, plan, b.ptrs, n);
   EXPECT_TRUE(st.is_ok()) << st.message();
   std::vector<float> ref = dense_allgather(comm, k, n);
@@ -434,14 +490,15 @@ int64_t check_allgather(Communicator& comm, const Case& k, int64_t n) {
   return w.wrong;
 }
 
-int64_t check_reduce_scatter(Communicator& comm, const Case& k, int64_t n, std::vector<float>* scratch) {
+int64_t check_reduce_scatter(Communicator& comm, const Case& k, int64_t n, std::vector<float>* scratch,
+                             std::span<const int> node_of = {}) {
   const int r = comm.rank();
   const int64_t C = static_cast<int64_t>(k.p0.size());
   Buffers b(k, r, n);
   for (int64_t c = 0; c < C; ++c)
     if (holds(k.p1, c, r))
       for (int64_t i = 0; i < n; ++i) b.data[c][i] = partial(r, c, i);
-  SparsePlan plan = plan_sparse_reduce_scatter(k.p1, k.p0, comm.size());
+  SparsePlan plan = plan_sparse_reduce_scatter(k.p1, k.p0, comm.size(), node_of);
   Status st = sparse_reduce_scatter(comm, plan, b.ptrs, n, scratch);
   EXPECT_TRUE(st.is_ok()) << st.message();
   std::vector<float> ref = dense_reduce_scatter(comm, k, n);
@@ -478,6 +535,23 @@ TEST(SparseCollectives, ReduceScatterMatchesDenseReduceScatterOnCornerAndRandomP
   for (Communicator* c : g_all_groups)
     for (const Case& k : cases(c->size()))
       for (int64_t n : kChunkElems) wrong += check_reduce_scatter(*c, k, n, &scratch);
+  EXPECT_EQ(total(wrong), 0);
+}
+
+// The topology-aware plans on the data: the group's ranks split into two "nodes" (lower and upper
+// half), every corner and random case, both collectives exact.
+TEST(SparseCollectives, TopologyAwarePlansMoveTheSameDataOnEveryGroup) {
+  int64_t wrong = 0;
+  std::vector<float> scratch;
+  for (Communicator* c : g_all_groups) {
+    std::vector<int> node_of(c->size());
+    for (int r = 0; r < c->size(); ++r) node_of[r] = 2 * r / c->size();
+    for (const Case& k : cases(c->size()))
+      for (int64_t n : {int64_t{1}, int64_t{1000}}) {
+        wrong += check_allgather(*c, k, n, node_of);
+        wrong += check_reduce_scatter(*c, k, n, &scratch, node_of);
+      }
+  }
   EXPECT_EQ(total(wrong), 0);
 }
 

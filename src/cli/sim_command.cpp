@@ -12,6 +12,7 @@
 #include "sim/calibrate.h"
 #include "sim/simulate.h"
 #include "strategy/strategy.h"
+#include "util/quantile.h"
 #include "util/str_cat.h"
 
 namespace moe::cli {
@@ -71,7 +72,7 @@ void print_report(const sim::SimRunConfig& cfg, const sim::SimRunResult& res) {
   std::vector<double> step_ms;
   for (const auto& s : res.steps) step_ms.push_back(s.step_ms);
   std::printf("\nstep time (ms)       mean %9.3f   p50 %9.3f   p90 %9.3f   max %9.3f\n", mean(step_ms),
-              sim::percentile(step_ms, 50), sim::percentile(step_ms, 90), sim::percentile(step_ms, 100));
+              nearest_rank_quantile(step_ms, 0.5), nearest_rank_quantile(step_ms, 0.9), nearest_rank_quantile(step_ms, 1.0));
   runtime::StepBreakdown b;
   for (const auto& s : res.steps) {
     const double n = static_cast<double>(res.steps.size());

@@ -35,6 +35,11 @@ void check_placements(const char* op, const Placement& before, const Placement& 
   }
 }
 
+void check_nodes(const char* op, std::span<const int> node_of, int num_ranks) {
+  if (!node_of.empty() && static_cast<int>(node_of.size()) != num_ranks)
+    fail(op, str_cat("node_of has ", node_of.size(), " entries for ", num_ranks, " ranks"));
+}
+
 // Schedules, for every chunk c, its broadcast from the ranks in have[c] to the ranks in need[c]
 // (disjoint from have[c]), in rounds where each rank sends at most one chunk and receives at most
 // one, forwarding allowed from the round after a rank received a chunk. Round by round: a maximum
@@ -45,16 +50,32 @@ void check_placements(const char* op, const Placement& before, const Placement& 
 // chunk), so that scarce chunks gain forwarders early. Every round moves at least one chunk (each
 // missing chunk has a holder, and no rank needs a chunk it holds), so it terminates with
 // sum |need[c]| transfers in at most that many rounds.
-std::vector<std::vector<ChunkTransfer>> schedule_broadcasts(const Placement& have, const Placement& need, int P) {
+// With nodes (node_of non-empty), a chunk enters a node once: a rank takes it from a holder on its own
+// node; only the node's entry for the chunk (the lowest rank there that needs it, when no rank there
+// holds it) takes it from another node, and the node's other ranks wait for a copy on their node. Every
+// round still moves a chunk (an entry can always receive), so it terminates as above.
+std::vector<std::vector<ChunkTransfer>> schedule_broadcasts(const Placement& have, const Placement& need, int P,
+                                                            std::span<const int> node_of) {
   const int64_t C = static_cast<int64_t>(have.size());
   std::vector<char> holds(C * P, 0);  // holds[c * P + r]
   std::vector<int> holders(C, 0);
   std::vector<std::vector<int64_t>> missing(P);  // per rank, ascending chunks
+  std::vector<char> entry(C * P, 0);             // entry[c * P + r]: r may take c across nodes
   for (int64_t c = 0; c < C; ++c) {
     for (int r : have[c]) holds[c * P + r] = 1;
     holders[c] = static_cast<int>(have[c].size());
     for (int r : need[c]) missing[r].push_back(c);
+    for (int r : need[c]) {
+      bool node_has = false;
+      for (int q = 0; q < P && !node_has && !node_of.empty(); ++q)
+        node_has = node_of[q] == node_of[r] && (holds[c * P + q] || (q < r && std::binary_search(need[c].begin(), need[c].end(), q)));
+      entry[c * P + r] = node_of.empty() || !node_has;
+    }
   }
+  // s may send c to d now: it holds c, and d may take c from s's node.
+  auto may_send = [&](int s, int d, int64_t c) {
+    return holds[c * P + s] && (node_of.empty() || node_of[s] == node_of[d] || entry[c * P + d]);
+  };
   std::vector<int64_t> sent(P, 0);
   std::vector<std::vector<ChunkTransfer>> rounds;
 
@@ -77,7 +98,7 @@ std::vector<std::vector<ChunkTransfer>> schedule_broadcasts(const Placement& hav
       for (int s : order) {
         if (s == d) continue;
         for (int64_t c : missing[d])
-          if (holds[c * P + s]) {
+          if (may_send(s, d, c)) {
             candidates[d].push_back(s);
             break;
           }
@@ -108,7 +129,7 @@ std::vector<std::vector<ChunkTransfer>> schedule_broadcasts(const Placement& hav
       if (s < 0) continue;
       int64_t best = -1;
       for (int64_t c : missing[d])
-        if (holds[c * P + s] && (best < 0 || holders[c] < holders[best])) best = c;
+        if (may_send(s, d, c) && (best < 0 || holders[c] < holders[best])) best = c;
       round.push_back({best, s, d, false});
     }
     // Apply after choosing, so that nothing received in this round is forwarded in it.
@@ -234,25 +255,29 @@ const char* sparse_op_name(SparseOp op) {
   return "?";
 }
 
-SparsePlan plan_sparse_allgather(const Placement& p0, const Placement& p1, int num_ranks) {
+SparsePlan plan_sparse_allgather(const Placement& p0, const Placement& p1, int num_ranks,
+                                 std::span<const int> node_of) {
   check_placements("sparse_allgather", p0, p1, num_ranks);
+  check_nodes("sparse_allgather", node_of, num_ranks);
   SparsePlan plan;
   plan.op = SparseOp::allgather;
   plan.num_ranks = num_ranks;
   plan.num_chunks = static_cast<int64_t>(p0.size());
-  plan.rounds = schedule_broadcasts(p0, difference(p1, p0), num_ranks);
+  plan.rounds = schedule_broadcasts(p0, difference(p1, p0), num_ranks, node_of);
   return plan;
 }
 
-SparsePlan plan_sparse_reduce_scatter(const Placement& p1, const Placement& p0, int num_ranks) {
+SparsePlan plan_sparse_reduce_scatter(const Placement& p1, const Placement& p0, int num_ranks,
+                                      std::span<const int> node_of) {
   check_placements("sparse_reduce_scatter", p0, p1, num_ranks);
+  check_nodes("sparse_reduce_scatter", node_of, num_ranks);
   // The reduction tree of chunk c is the broadcast tree from its primary owner over P1[c], played
   // backwards (round k of R becomes round R-1-k, src and dst swapped): a rank receives from its
   // children before it sends to its parent, since in the broadcast it received before forwarding.
   Placement primary(p0.size());
   for (size_t c = 0; c < p0.size(); ++c) primary[c] = {p0[c].front()};
-  auto reduce_rounds = schedule_broadcasts(primary, difference(p1, primary), num_ranks);
-  auto copy_rounds = schedule_broadcasts(primary, difference(p0, primary), num_ranks);
+  auto reduce_rounds = schedule_broadcasts(primary, difference(p1, primary), num_ranks, node_of);
+  auto copy_rounds = schedule_broadcasts(primary, difference(p0, primary), num_ranks, node_of);
 
   SparsePlan plan;
   plan.op = SparseOp::reduce_scatter;

@@ -53,7 +53,7 @@
 // Summation order of SparseReduceScatter: a rank's chunk buffer starts as its own partial; it adds
 // each partial it receives for that chunk, one at a time (acc += received), in the order of the
 // rounds they arrive in; the primary owner ends with the total and the other owners receive a copy
-// of it. The order is a pure function of (P1, P0, number of ranks), not of timing, so every owner
+// of it. The order is a pure function of (P1, P0, number of ranks, node map), not of timing, so every owner
 // holds bitwise the same sum, and the same placements give the same bits every step. It is not the
 // dense reduce_scatter's order, so the last bits may differ from it.
 //
@@ -115,14 +115,21 @@ struct SparsePlan {
 
 // The plan of SparseAllGather(P0, P1): every rank of P1[c] \ P0[c] receives chunk c once, from a
 // rank of P0[c] or from one that received it in an earlier round. Pure and deterministic.
+// node_of (optional: each rank's node): topology-aware; a chunk crosses into a node once, to one rank
+// there, and the node's other ranks get it from a rank of their own node (the same holder first
+// when it is there already), so with several ranks per node fewer bytes cross the slower links.
 // REQUIRES (std::logic_error): num_ranks >= 1; p0.size() == p1.size(); every list strictly
-// ascending within [0, num_ranks); p0[c] non-empty and p0[c] ⊆ p1[c].
-SparsePlan plan_sparse_allgather(const Placement& p0, const Placement& p1, int num_ranks);
+// ascending within [0, num_ranks); p0[c] non-empty and p0[c] ⊆ p1[c]; node_of empty or [num_ranks].
+SparsePlan plan_sparse_allgather(const Placement& p0, const Placement& p1, int num_ranks,
+                                 std::span<const int> node_of = {});
 
 // The plan of SparseReduceScatter(P1, P0) (note the order: before, after): every rank of P1[c]
 // holds a partial of chunk c; afterwards every rank of P0[c] holds the sum over P1[c] (see the
-// summation order above). Pure and deterministic. REQUIRES: as plan_sparse_allgather(p0, p1, ..).
-SparsePlan plan_sparse_reduce_scatter(const Placement& p1, const Placement& p0, int num_ranks);
+// summation order above). Pure and deterministic. node_of: as plan_sparse_allgather's (the reduction
+// tree is the broadcast tree reversed: a node's partials are summed there before one crosses).
+// REQUIRES: as plan_sparse_allgather(p0, p1, ..).
+SparsePlan plan_sparse_reduce_scatter(const Placement& p1, const Placement& p0, int num_ranks,
+                                      std::span<const int> node_of = {});
 
 // Bytes rank `rank` sends / receives when executing `plan` with chunks of chunk_bytes bytes, and the
 // total over ranks. REQUIRES: 0 <= rank < plan.num_ranks, chunk_bytes >= 0.

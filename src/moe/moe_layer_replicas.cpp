@@ -138,8 +138,8 @@ void MoeLayer::ep_materialize() {
       if (g->numel() > 0) std::fill(g->data() + s * FC, g->data() + (s + 1) * FC, 0.0f);
     replica_expert_.push_back(e);
   }
-  const comm::SparsePlan plan = comm::plan_sparse_allgather(chunk_placement(held_.replicas, W),
-                                                            chunk_placement(placement_.replicas, W), R);
+  const comm::SparsePlan plan = comm::plan_sparse_allgather(
+      chunk_placement(held_.replicas, W), chunk_placement(placement_.replicas, W), R, nodes_.node_of_rank);
   const std::vector<float*> chunks = chunk_pointers(false);
   throw_if_error(comm::sparse_allgather(*gather_, plan, chunks, FC));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
@@ -155,8 +155,8 @@ void MoeLayer::ep_reduce_replica_grads() {
   const int me = ep_->rank(), R = ep_->size();
   const int W = cfg_.activation == Activation::swiglu ? 3 : 2;
   const int64_t FC = cfg_.d_ffn * cfg_.d_model;
-  const comm::SparsePlan plan = comm::plan_sparse_reduce_scatter(chunk_placement(held_.replicas, W),
-                                                                 chunk_placement(owners_.replicas, W), R);
+  const comm::SparsePlan plan = comm::plan_sparse_reduce_scatter(
+      chunk_placement(held_.replicas, W), chunk_placement(owners_.replicas, W), R, nodes_.node_of_rank);
   const std::vector<float*> chunks = chunk_pointers(true);
   throw_if_error(comm::sparse_reduce_scatter(*gather_, plan, chunks, FC, &reduce_scratch_));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
@@ -259,7 +259,7 @@ int MoeLayer::reshard(const std::vector<int>& new_owner, const std::vector<std::
                   old_t[k]->data() + (index_in(owned_, static_cast<int>(e)) + 1) * FC, p);
       chunks.push_back(p);
     }
-  const comm::SparsePlan plan = comm::plan_sparse_allgather(before, after, R);
+  const comm::SparsePlan plan = comm::plan_sparse_allgather(before, after, R, nodes_.node_of_rank);
   throw_if_error(comm::sparse_allgather(*gather_, plan, chunks, FC));
   int moved = 0;
   for (int64_t e = 0; e < E; ++e) moved += owners_.owner[e] != new_owner[e] ? 1 : 0;

@@ -199,6 +199,10 @@ SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std
                            int steps_since_update, const SmartMoeConfig& cfg) {
   constexpr const char* kWhere = "smartmoe_plan";
   if (cfg.interval < 1 || steps_since_update < 0) violated(kWhere, "needs interval >= 1, steps_since_update >= 0");
+  const bool priced = cfg.expert_seconds_per_token != 0 || cfg.expert_state_bytes != 0 || cfg.bandwidth != 0;
+  if (priced && (!positive_finite(cfg.expert_seconds_per_token) || cfg.expert_state_bytes <= 0 ||
+                 !positive_finite(cfg.bandwidth)))
+    violated(kWhere, "a priced SmartMoeConfig needs every cost field > 0 and finite");
   const std::vector<double> before = owner_rank_loads(owner, n_ranks, load);
   const int E = static_cast<int>(owner.size());
   if (E % n_ranks != 0) violated(kWhere, "the number of experts must be a multiple of the number of ranks");
@@ -231,12 +235,20 @@ SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std
     acc[best] += load[e];
   }
   const double after = max_of(acc);
-  if (after < plan.max_load_before) {
-    plan.adopted = true;
-    plan.moves = owner_moves(owner, next);
-    plan.owner = std::move(next);
-    plan.max_load_after = after;
+  if (!(after < plan.max_load_before)) return plan;
+  std::vector<ExpertMove> moves = owner_moves(owner, next);
+  if (priced) {
+    std::vector<int> received(n_ranks, 0);
+    for (const ExpertMove& m : moves) ++received[m.to];
+    const int most = *std::max_element(received.begin(), received.end());
+    plan.saved_seconds = (plan.max_load_before - after) * cfg.expert_seconds_per_token * cfg.interval;
+    plan.move_seconds = most * static_cast<double>(cfg.expert_state_bytes) / cfg.bandwidth;
+    if (!(plan.saved_seconds > plan.move_seconds)) return plan;
   }
+  plan.adopted = true;
+  plan.moves = std::move(moves);
+  plan.owner = std::move(next);
+  plan.max_load_after = after;
   return plan;
 }
 

@@ -119,10 +119,21 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
 // lowest accumulated load that has a free slot (ties keep the expert's current rank, else the lower
 // rank); the result is adopted only if its maximum rank load is strictly lower. Moved experts carry
 // parameters and optimizer state. Ours: the plan is expressed as owners (which slot of a rank an
-// expert takes is the runtime's, since slots of one rank are interchangeable for load).
+// expert takes is the runtime's, since slots of one rank are interchangeable for load). Priced (the
+// cost fields set, as the trainer and simulator do from the measured cost model), a lower maximum is
+// adopted only when what it saves until the next evaluation beats the swap's transfer, on the same
+// terms as FlexMoE's moves: without it, the natural few percent of imbalance of an unskewed router
+// made SmartMoE swap experts every interval, each swap moving weights and optimizer state over the
+// slowest link, and run slower than EP.
 
 struct SmartMoeConfig {
   int interval = 10;  // f: steps between evaluations (>= 1)
+  // Cost model (all 0: unpriced, the paper's rule; else all > 0 and finite): adopted only when
+  //   (max rank load before - after) * expert_seconds_per_token * interval
+  //       > (most experts one rank receives) * expert_state_bytes / bandwidth
+  double expert_seconds_per_token = 0;  // one token through one expert, forward + backward
+  int64_t expert_state_bytes = 0;       // one expert's parameters + optimizer state
+  double bandwidth = 0;                 // bytes/s a rank receives at
 };
 
 struct SmartMoePlan {
@@ -131,6 +142,7 @@ struct SmartMoePlan {
   std::vector<int> owner;  // [E]: the new owners when adopted, else the current ones
   std::vector<ExpertMove> moves;  // owner_moves(current, owner)
   double max_load_before = 0, max_load_after = 0;  // of the current owners / of the returned owners
+  double saved_seconds = 0, move_seconds = 0;  // priced: the greedy's saving over the interval, its swap's cost
 };
 
 // Per-rank load [R]: sum of the loads of the experts each rank owns. REQUIRES: owners in

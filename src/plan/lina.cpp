@@ -81,10 +81,25 @@ std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks) 
   return slots;
 }
 
-LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners) {
+double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& popularity, const LinaCost& cost) {
+  const int E = p.n_experts();
+  if (static_cast<int>(popularity.size()) != E) throw std::logic_error("lina_busiest_seconds: popularity is not [E]");
+  std::vector<double> rank(p.n_ranks, 0.0);
+  for (int e = 0; e < E; ++e) {
+    if (!(popularity[e] > 0)) continue;
+    const double share = popularity[e] / static_cast<double>(p.replicas[e].size());
+    for (int r : p.replicas[e]) rank[r] += share * cost.token_seconds + cost.read_seconds;
+  }
+  return *std::max_element(rank.begin(), rank.end());
+}
+
+LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners,
+                              const LinaCost* cost, const LayerPlacement* held) {
   const int E = owners.n_experts(), R = owners.n_ranks;
   if (static_cast<int>(popularity.size()) != E) throw std::logic_error("lina_placement: popularity is not [E]");
   if (!owners.validate()) throw std::logic_error("lina_placement: " + owners.validate().message());
+  if (held && (!held->validate() || held->n_experts() != E || held->n_ranks != R))
+    throw std::logic_error("lina_placement: held is not a valid placement of the same experts and ranks");
   const std::vector<int> slots = lina_slots(popularity, R);
   LayerPlacement p = owners;
   auto load_of = [&](int rank) {
@@ -109,7 +124,15 @@ LayerPlacement lina_placement(const std::vector<double>& popularity, const Layer
       }
       if (best < 0) break;
       auto& holders = p.replicas[e];
+      const double before = cost ? lina_busiest_seconds(p, popularity, *cost) : 0;
       holders.insert(std::upper_bound(holders.begin(), holders.end(), best), best);
+      if (cost) {
+        const double move = held && held->holds(best, e) ? 0.0 : cost->move_seconds;
+        if (!(before - lina_busiest_seconds(p, popularity, *cost) > move)) {
+          holders.erase(std::find(holders.begin(), holders.end(), best));
+          break;
+        }
+      }
     }
   }
   return p;

@@ -64,11 +64,30 @@ class PathProfile {
 // REQUIRES: popularity [E] non-negative, R >= 1.
 std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks);
 
+// What running and moving experts costs on these ranks, measured at start-up (serve/profile.h): the
+// figures a priced placement weighs. A rank's time for a layer is, over the experts it runs rows of,
+// its share of each expert's tokens x token_seconds plus read_seconds (a small batch's expert is
+// bound by reading its weights, which every rank running it does once).
+struct LinaCost {
+  double token_seconds = 0;  // one token through one expert, forward
+  double read_seconds = 0;   // one expert's weights read from memory
+  double move_seconds = 0;   // one expert's weights gathered onto a rank that does not hold them
+};
+// The busiest rank's time of placement p (LinaCost above; tokens split evenly over an expert's holders).
+double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& popularity, const LinaCost& cost);
+
 // The placement for slots: owners keep their experts; experts by descending slots (then popularity,
 // then index) get replicas, one at a time, on the rank with the lowest load among those not holding
 // them, a rank's load being the popularity of each expert it holds divided by that expert's holders.
-// REQUIRES: owners.validate() ok with no replicas beyond the owners; popularity [E].
-LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners);
+// Priced (cost not null): a replica is kept only when it shortens the busiest rank's time
+// (lina_busiest_seconds) by more than its move, which is free where `held` (the replicas the ranks
+// hold from earlier steps; null: none) already has it; the expert's remaining slots are then dropped.
+// Without a price every replica the slots ask for is gathered, whatever it saves: on small decode
+// batches that moved ~1 GB/s of weights for nothing (docs/serving.md).
+// REQUIRES: owners.validate() ok with no replicas beyond the owners; popularity [E]; held, if given,
+// a valid placement of the same experts and ranks.
+LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners,
+                              const LinaCost* cost = nullptr, const LayerPlacement* held = nullptr);
 
 // The k experts with the highest value (ties to the lower index), ascending.
 std::vector<int> top_experts(const std::vector<double>& value, int64_t k);

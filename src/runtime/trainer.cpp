@@ -587,6 +587,9 @@ Status TrainingRun::trace_step(int64_t step) {
 struct StepLoads {
   std::vector<LayerLoad> loads;  // per MoE layer: kept assignments per expert and drops, summed over ranks
   std::vector<int64_t> rows;     // [rank * layers + layer]: rows each rank's experts ran
+  // [rank * layers * E + layer * E + e]: assignments each rank's tokens kept per expert (the exchange's
+  // real shape, which the simulator replays; with one rank, the global counts)
+  std::vector<int64_t> per_source;
   int64_t replicas = 0;          // extra replicas over all MoE layers (the same plan on every rank)
   int64_t sparse_bytes = 0;      // sparse collectives: sent + received, summed over ranks
   int64_t param_bytes = 0;       // the largest rank's parameters
@@ -605,6 +608,14 @@ Status TrainingRun::gather_loads(StepLoads* out) {
     std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), load_buf.begin() + i * (E + 1));
     load_buf[i * (E + 1) + E] = loads[i].dropped;
     rows_mine[i] = model_->moe_layer(loads[i].layer)->expert_rows();
+  }
+  {
+    std::vector<int64_t> mine(loads.size() * E);
+    for (size_t i = 0; i < loads.size(); ++i) std::copy_n(load_buf.begin() + i * (E + 1), E, mine.begin() + i * E);
+    out->per_source.assign(mine.size() * ranks_.size, 0);
+    if (!ranks_.world) out->per_source = mine;
+    else if (Status s = ranks_.world->allgather(mine.data(), static_cast<int64_t>(mine.size()), out->per_source.data()); !s)
+      return s;
   }
   if (Status s = ranks_.sum(load_buf.data(), static_cast<int64_t>(load_buf.size())); !s) return s;
   if (ranks_.world) {
@@ -672,7 +683,16 @@ Status TrainingRun::refresh_links(int64_t done) {
 
 void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved) {
   json tokens = json::array(), imbalances = json::array(), dropped = json::array();
-  json rank_tokens = json::array(), rank_imbalances = json::array();
+  json rank_tokens = json::array(), rank_imbalances = json::array(), per_source = json::array();
+  const int64_t E = cfg_.model.n_experts, L = static_cast<int64_t>(l.loads.size());
+  for (int64_t i = 0; i < L && ranks_.size > 1; ++i) {
+    json layer = json::array();
+    for (int r = 0; r < ranks_.size; ++r) {
+      const auto at = l.per_source.begin() + (r * L + i) * E;
+      layer.push_back(std::vector<int64_t>(at, at + E));
+    }
+    per_source.push_back(std::move(layer));
+  }
   for (size_t i = 0; i < l.loads.size(); ++i) {
     tokens.push_back(l.loads[i].tokens_per_expert);
     imbalances.push_back(imbalance(l.loads[i].tokens_per_expert));
@@ -701,6 +721,7 @@ void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLo
                   {"rank_imbalance", rank_imbalances},
                   {"dropped", dropped},
                   {"tokens_per_expert", tokens},
+                  {"tokens_per_source", per_source},  // [layer][rank][expert]; [] with one rank
                   {"strategy", cfg_.strategy},
                   {"gemm", gemm_backend_name()},
                   {"threads", ranks_.threads.threads},

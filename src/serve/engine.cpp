@@ -1,7 +1,9 @@
 #include "serve/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <future>
 #include <stdexcept>
 #include <string>
 
@@ -125,23 +127,38 @@ void InferenceEngine::place(MoeLayer* moe, const plan::LayerPlacement& p) {
   stats_.gathered_bytes += moe->take_sparse_bytes();
 }
 
-// Lina's two phases around the gate (plan/lina.h), then the exchange over the placement they chose.
-void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
+// Lina's phase 1 for MoE block l (its m-th), before the block's attention: the batch's popularity
+// estimated from the rows' paths through the earlier MoE blocks (an allreduce: every rank plans
+// alike), the placement, and its gather started on another thread so that the weights move while this
+// thread computes the attention (Lina moves experts behind computation). The placement's weights are
+// ready when the returned future is; estimate_ keeps the estimate for phase 2. No other thread uses
+// the ranks' communicator meanwhile: the attention does not communicate.
+std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m, int64_t N) {
   MoeLayer* moe = blocks_[l].moe;
   const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
-  ++stats_.layer_steps;
-  std::vector<double> estimate;
+  estimate_.clear();
   if ((schedule_ == Schedule::lina || schedule_ == Schedule::lina_no_phase2) && m >= 1) {
     std::vector<std::vector<int32_t>> paths(N);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
-    estimate = profile_->estimate(m, paths, K);
-    if (Status s = world_->allreduce(estimate.data(), E); !s) throw std::runtime_error(s.message());
-    place(moe, plan::lina_placement(estimate, moe->owners()));
+    estimate_ = profile_->estimate(m, paths, K);
+    if (Status s = world_->allreduce(estimate_.data(), E); !s) throw std::runtime_error(s.message());
+    plan::LayerPlacement p = plan::lina_placement(estimate_, moe->owners(), cost_ ? &*cost_ : nullptr, &moe->placement());
     ++stats_.estimated;
-  } else if (schedule_ == Schedule::lina_no_phase2) {
-    place(moe, moe->owners());
+    return std::async(std::launch::async, [this, moe, p = std::move(p)] { place(moe, p); });
   }
+  if (schedule_ == Schedule::lina_no_phase2) place(moe, moe->owners());
+  return {};
+}
+
+// Lina's phase 2 around the gate (plan/lina.h), after phase 1's gather, then the exchange over the
+// placement they chose.
+void InferenceEngine::scheduled_moe(int64_t l, int64_t N, std::future<void>* phase1) {
+  MoeLayer* moe = blocks_[l].moe;
+  const int64_t E = cfg_.n_experts, K = cfg_.top_k;
+  ++stats_.layer_steps;
+  if (phase1->valid()) phase1->get();  // rethrows the gather's error
+  const std::vector<double>& estimate = estimate_;
   moe->ep_gate(ln_.data(), N);
   moe->ep_gate_sync();
   std::vector<double> actual(E, 0.0);
@@ -151,7 +168,7 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
   stats_.accurate += accurate;
   const bool replan = schedule_ == Schedule::lina_no_estimate || (schedule_ == Schedule::lina && !accurate);
   if (replan) {
-    place(moe, plan::lina_placement(actual, moe->owners()));
+    place(moe, plan::lina_placement(actual, moe->owners(), cost_ ? &*cost_ : nullptr, &moe->placement()));
     stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
   }
   moe->ep_dispatch(&exchange_);
@@ -162,6 +179,33 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N) {
 }
 
 InferenceEngine::~InferenceEngine() = default;
+
+double InferenceEngine::measure_expert_read_seconds() const {
+  // An integer sum (its additions may be reordered and vectorised, unlike a float sum's) over the
+  // weights' bits, kept live through `sink` so the reads are not optimised away.
+  std::vector<std::pair<const uint32_t*, int64_t>> spans;
+  int64_t experts = 0;
+  for (const Block& b : blocks_) {
+    if (!b.moe) continue;
+    for (Param* p : b.moe->expert_params())
+      if (p->value.numel() > 0)
+        spans.emplace_back(reinterpret_cast<const uint32_t*>(p->value.data()), static_cast<int64_t>(p->value.numel()));
+    experts += b.moe->expert_params().empty() ? 0 : b.moe->expert_params()[0]->value.shape()[0];
+  }
+  if (experts == 0) return 0;
+  static volatile uint64_t sink = 0;
+  double best = 0;
+  for (int round = 0; round < 3; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t sum = 0;
+    for (const auto& [data, n] : spans)
+      for (int64_t i = 0; i < n; ++i) sum += data[i];
+    sink = sink + sum;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (round == 0 || s < best) best = s;
+  }
+  return best / static_cast<double>(experts);
+}
 
 // Each row attends over its slot's cached positions 0..pos, with the arithmetic of
 // attention_forward (tensor/ops.cpp) so a decode step reproduces the training forward's values.
@@ -230,6 +274,8 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
   int64_t m = 0;  // MoE blocks passed
   for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
     const Block& b = blocks_[l];
+    std::future<void> phase1;  // Lina's gather for this block's MoE layer, behind its attention
+    if (b.moe && world_) phase1 = start_phase1(l, m, N);
     // h = x + proj(attention(qkv(norm1(x))))
     if (N > 0) {
       norm(ln_.data(), x_.data(), b.norm1_w, b.norm1_b, N);
@@ -246,7 +292,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     }
     // x = h + ffn(norm2(h)); the MoE layer is collective over the ranks, rows or not
     if (b.moe) {
-      if (world_) scheduled_moe(l, m, N);
+      if (world_) scheduled_moe(l, N, &phase1);
       else b.moe->forward(tmp_.data(), ln_.data(), N);
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];

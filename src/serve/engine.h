@@ -12,6 +12,8 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -91,6 +93,13 @@ class InferenceEngine {
   // on every rank alike. REQUIRES: the model expert-parallel over world (std::logic_error).
   void set_schedule(Schedule s, const plan::PathProfile* profile, comm::Communicator* world);
   Schedule schedule() const { return schedule_; }
+  // Prices the lina schedules' replicas (plan::lina_placement): a replica only where it saves more
+  // than its move. Unset, every replica the popularity asks for is gathered. The same on every rank.
+  void set_lina_cost(const plan::LinaCost& cost) { cost_ = cost; }
+  const std::optional<plan::LinaCost>& lina_cost() const { return cost_; }
+  // Seconds to read one of this rank's experts' weights from memory: all of them read once, timed,
+  // best of 3, over the experts read (0 when it holds none). For LinaCost::read_seconds.
+  double measure_expert_read_seconds() const;
   const ScheduleStats& schedule_stats() const { return stats_; }
   // The last forward's routing of its rows: [N][Lm*K] every row's top-k experts at each MoE block
   // (block order, then choice order). For profiling.
@@ -104,8 +113,10 @@ class InferenceEngine {
  private:
   struct Block;  // one transformer block's weights (pointers into the model)
   void attention(int64_t l, std::span<const Row> rows);
-  // MoE block l (its m-th MoE block) under a schedule other than ep: y = tmp_, x = ln_.
-  void scheduled_moe(int64_t l, int64_t m, int64_t N);
+  // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
+  // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
+  std::future<void> start_phase1(int64_t l, int64_t m, int64_t N);
+  void scheduled_moe(int64_t l, int64_t N, std::future<void>* phase1);
   void place(MoeLayer* moe, const plan::LayerPlacement& p);
 
   Model& model_;
@@ -131,6 +142,8 @@ class InferenceEngine {
   Schedule schedule_ = Schedule::ep;
   const plan::PathProfile* profile_ = nullptr;
   comm::Communicator* world_ = nullptr;
+  std::optional<plan::LinaCost> cost_;
+  std::vector<double> estimate_;  // phase 1's popularity estimate of the current MoE block ([E]; empty: none)
   ScheduleStats stats_;
   TokenExchange exchange_;
 };

@@ -1,8 +1,11 @@
 #include "serve/profile.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <vector>
 
 #include "model/data.h"
+#include "runtime/measure_costs.h"
 #include "runtime/train_config.h"
 
 namespace moe::serve {
@@ -49,6 +52,31 @@ Status profile_routing(InferenceEngine& engine, comm::Communicator* world, const
   return Status::ok();
 }
 
+Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, plan::LinaCost* out) {
+  const ModelConfig& cfg = engine.config();
+  const int R = world ? world->size() : 1;
+  plan::Nodes nodes;  // one class of link: whatever joins the ranks is what a gather crosses
+  nodes.node_of_rank.assign(R, 0);
+  const int64_t rows = std::max<int64_t>(1, engine.max_rows() * cfg.top_k / cfg.n_experts);
+  runtime::RawCosts mine, agreed;
+  if (Status s = runtime::measure_costs(world, nodes, cfg, rows, &mine); !s) return Status::error("lina cost: " + s.message());
+  if (Status s = runtime::agree_costs(world, mine, &agreed); !s) return Status::error("lina cost: " + s.message());
+  double read = engine.measure_expert_read_seconds();
+  if (world) {
+    if (Status s = world->allreduce(&read, 1); !s) return Status::error("lina cost: " + s.message());
+    read /= R;
+  }
+  const double mats = cfg.activation == "swiglu" ? 3 : 2;
+  const double expert_bytes = mats * static_cast<double>(cfg.d_model * cfg.d_ffn) * sizeof(float);
+  const double bandwidth = agreed.intra_node.bandwidth;
+  if (!(agreed.gemm_flops > 0) || (R > 1 && !(bandwidth > 0)))
+    return Status::error("lina cost: the measurement gave no GEMM rate or no link bandwidth");
+  out->token_seconds = 2 * mats * static_cast<double>(cfg.d_model * cfg.d_ffn) / agreed.gemm_flops;
+  out->read_seconds = read;
+  out->move_seconds = R > 1 ? agreed.intra_node.latency + expert_bytes / bandwidth : 0;
+  return Status::ok();
+}
+
 Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const std::string& name,
                       const std::string& corpus, std::unique_ptr<plan::PathProfile>* profile) {
   Schedule s;
@@ -59,6 +87,13 @@ Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const 
     if (Status st = profile_routing(engine, world, corpus, 64, profile->get()); !st) return st;
   }
   engine.set_schedule(s, profile->get(), world);
+  if (s == Schedule::ep || s == Schedule::ideal || !world || world->size() == 1) return Status::ok();
+  plan::LinaCost cost;
+  if (Status st = measure_lina_cost(engine, world, &cost); !st) return st;
+  engine.set_lina_cost(cost);
+  if (world->rank() == 0)
+    std::fprintf(stderr, "lina cost (measured): a token through an expert %.2f us, an expert's weights read %.1f us, "
+                 "moved %.1f us\n", cost.token_seconds * 1e6, cost.read_seconds * 1e6, cost.move_seconds * 1e6);
   return Status::ok();
 }
 

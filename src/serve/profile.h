@@ -21,9 +21,16 @@ namespace moe::serve {
 Status profile_routing(InferenceEngine& engine, comm::Communicator* world, const std::string& corpus,
                        int64_t windows, plan::PathProfile* out);
 
+// What the lina schedules' priced placement weighs (plan::LinaCost), measured on these ranks: the
+// expert GEMM rate of the pinned kernel and a link's alpha-beta (runtime/measure_costs.h), and the
+// time to read an expert's weights (InferenceEngine::measure_expert_read_seconds); the ranks agree on
+// the mean, so every rank plans alike. Collective over world (null: one process, no move).
+Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, plan::LinaCost* out);
+
 // Sets the engine's schedule by name (engine.h): for lina and lina-no-phase2 first profiles the
 // corpus the checkpoint was trained on (its state.json's config.data; 64 windows) into *profile, which
-// must outlive the engine. Collective over world. Errors: an unknown name (listing the known ones),
+// must outlive the engine; every lina schedule then prices its replicas (measure_lina_cost, printed
+// by rank 0). Collective over world. Errors: an unknown name (listing the known ones),
 // profiling's errors.
 Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const std::string& name,
                       const std::string& corpus, std::unique_ptr<plan::PathProfile>* profile);

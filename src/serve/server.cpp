@@ -24,6 +24,7 @@
 #include "serve/lockstep.h"
 #include "serve/profile.h"
 #include "serve/sampler.h"
+#include "util/quantile.h"
 
 namespace moe::serve {
 
@@ -128,11 +129,9 @@ class Metrics {
   }
   static void summary(std::string* out, const std::string& name, const std::string& help, const std::deque<double>& v) {
     *out += "# HELP " + name + " " + help + "\n# TYPE " + name + " summary\n";
-    std::vector<double> s(v.begin(), v.end());
-    std::sort(s.begin(), s.end());
+    const std::vector<double> s(v.begin(), v.end());
     for (double q : {0.5, 0.95, 0.99}) {
-      // Nearest rank: the smallest value with at least q of the values at or below it.
-      const double x = s.empty() ? 0.0 : s[std::min(s.size() - 1, static_cast<size_t>(std::ceil(q * s.size())) - 1)];
+      const double x = s.empty() ? 0.0 : nearest_rank_quantile(s, q);
       *out += name + "{quantile=\"" + num(q) + "\"} " + num(x) + "\n";
     }
     double sum = 0;

@@ -162,7 +162,32 @@ Status Load::make(const LoadSpec& spec, const ModelConfig& cfg, int ranks, int64
                                          max_layer_count, " assignments, more than one step of any run"));
         }
       }
+      std::vector<std::vector<int64_t>> sources;  // [layer][r * E + e]
+      if (j.contains("tokens_per_source") && !j.at("tokens_per_source").empty()) {
+        const nlohmann::json& src = j.at("tokens_per_source");
+        bool ok = src.is_array() && static_cast<int>(src.size()) == l.moe_layers_;
+        for (size_t i = 0; ok && i < src.size(); ++i) {
+          ok = src[i].is_array() && !src[i].empty();
+          for (size_t r = 0; ok && r < src[i].size(); ++r)
+            ok = src[i][r].is_array() && static_cast<int64_t>(src[i][r].size()) == cfg.n_experts &&
+                 src[i][r].size() == src[i][0].size() && src[i].size() == src[0].size() &&
+                 std::all_of(src[i][r].begin(), src[i][r].end(), [&](const nlohmann::json& c) {
+                   return c.is_number_integer() && c.get<int64_t>() >= 0 && c.get<int64_t>() <= max_layer_count;
+                 });
+        }
+        if (!ok)
+          return Status::error(str_cat("load: ", spec.file, " line ", n, ": tokens_per_source is not [", l.moe_layers_,
+                                       " layers][ranks][", cfg.n_experts, " experts] of counts in [0, ", max_layer_count, "]"));
+        if (static_cast<int>(src[0].size()) == ranks)
+          for (const nlohmann::json& layer : src) {
+            std::vector<int64_t> flat;
+            for (const nlohmann::json& rank : layer)
+              for (const nlohmann::json& c : rank) flat.push_back(c.get<int64_t>());
+            sources.push_back(std::move(flat));
+          }
+      }
       l.recorded_.push_back(std::move(layers));
+      l.recorded_source_.push_back(std::move(sources));
     }
     if (l.recorded_.empty())
       return Status::error(str_cat("load: ", spec.file, " has no line with \"tokens_per_expert\" (a `moe train --metrics` file?)"));
@@ -179,6 +204,11 @@ StepLoad Load::step(int64_t step) const {
   for (int i = 0; i < moe_layers_; ++i) {
     std::vector<int64_t>& t = out[i];
     if (spec_.kind == LoadSpec::Kind::recorded) {
+      const std::vector<std::vector<int64_t>>& sources = recorded_source_[step % recorded_.size()];
+      if (!sources.empty()) {
+        t = sources[i];
+        continue;
+      }
       const std::vector<int64_t>& global = recorded_[step % recorded_.size()][i];
       for (int r = 0; r < R; ++r)
         for (int64_t e = 0; e < E; ++e) t[r * E + e] = global[e] / R + (r < global[e] % R ? 1 : 0);

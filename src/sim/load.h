@@ -58,7 +58,10 @@ class Load {
   // REQUIRES nothing; errors: a recorded file that cannot be read, has no "tokens_per_expert" lines,
   // or whose layer count or expert count differs from cfg's (named), a count that is not an integer
   // >= 0, a layer whose counts sum past 2^60 / (d_model * n_experts) (no real step comes near; the
-  // simulator's byte counts stay in int64), and cfg.validate() failing.
+  // simulator's byte counts stay in int64), and cfg.validate() failing. A line's "tokens_per_source"
+  // ([layer][rank][expert], checked alike) is replayed as each rank's own counts when it records
+  // `ranks` ranks; without it each expert's global count is split evenly over the ranks, which hides
+  // how unevenly the ranks' tokens choose (what sizes DeepSpeed's padded exchange).
   // tokens_per_rank: N = sequences per rank * seq_len.
   static Status make(const LoadSpec& spec, const ModelConfig& cfg, int ranks, int64_t tokens_per_rank, Load* out);
 
@@ -75,6 +78,9 @@ class Load {
   int moe_layers_ = 0;
   std::vector<int> moe_blocks_;  // block index of MoE layer i
   std::vector<std::vector<std::vector<int64_t>>> recorded_;  // [step][layer][e], global counts
+  // [step][layer][r * E + e]: each source rank's counts where the line recorded them for `ranks_` ranks
+  // (moe train's "tokens_per_source"), else empty: the step splits the global counts evenly.
+  std::vector<std::vector<std::vector<int64_t>>> recorded_source_;
 };
 
 // When `op` is one chunk of a dispatch cut in chunks, or the expert_fwd of one (n_micro > 1): the

@@ -147,10 +147,11 @@ LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpS
   const comm::Placement owners = chunk_placement(l.owners.replicas, W);
   const comm::Placement planned_c = chunk_placement(l.planned.replicas, W);
   const comm::Placement placed_c = chunk_placement(l.placed.replicas, W);
-  l.gather = comm::plan_sparse_allgather(owners, planned_c, R);
-  l.gather_placed = comm::plan_sparse_allgather(opt.gather_before_gate ? planned_c : owners, placed_c, R);
-  l.regather = comm::plan_sparse_allgather(owners, placed_c, R);
-  l.reduce = comm::plan_sparse_reduce_scatter(placed_c, owners, R);
+  const std::vector<int>& node_of = nodes.node_of_rank;  // topology-aware, as the runtime's MoeLayer plans
+  l.gather = comm::plan_sparse_allgather(owners, planned_c, R, node_of);
+  l.gather_placed = comm::plan_sparse_allgather(opt.gather_before_gate ? planned_c : owners, placed_c, R, node_of);
+  l.regather = comm::plan_sparse_allgather(owners, placed_c, R, node_of);
+  l.reduce = comm::plan_sparse_reduce_scatter(placed_c, owners, R, node_of);
   return l;
 }
 

@@ -65,14 +65,6 @@ std::map<std::string, StrategyInfo> sim_strategies() {
   return r;
 }
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) throw std::logic_error("sim::percentile: no values");
-  std::sort(v.begin(), v.end());
-  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
-  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1;
-  return v[i];
-}
-
 Status resolve(SimRunConfig* cfg) {
   if (Status s = cfg->cluster.validate(); !s) return s;
   if (Status s = cfg->model.validate(); !s) return s;

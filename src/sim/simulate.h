@@ -143,7 +143,5 @@ struct SimRunResult {
 Status resolve(SimRunConfig* cfg);  // fills ranks and ep_size defaults
 Status simulate(SimRunConfig cfg, SimRunResult* out);
 
-// Sorted copy's p-th percentile (nearest rank, p in [0, 100]). REQUIRES: v not empty.
-double percentile(std::vector<double> v, double p);
 
 }  // namespace moe::sim

@@ -1,6 +1,7 @@
 // smartmoe: SmartMoE's expert swaps. No replicas; every reshard_every steps its greedy
 // (plan::smartmoe_plan) re-assigns each layer's experts from the loads averaged over those steps,
-// adopted only when the busiest rank's load drops. The shards move with their optimizer state.
+// adopted only when the busiest rank's load drops by more than the swap costs to move (priced from the
+// measured cost model, as FlexMoE's moves are). The shards move with their optimizer state.
 #include <algorithm>
 
 #include "plan/baselines.h"
@@ -15,7 +16,21 @@ class SmartMoe : public Strategy {
   // The loads averaged since the last update: a predictor window of reshard_every steps.
   explicit SmartMoe(const Setup& s)
       : reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100),
-        predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), std::max(1, reshard_every_)) {}
+        predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), std::max(1, reshard_every_)),
+        d_model_(s.model.d_model),
+        world_(std::max(1, s.world)) {
+    config_.interval = std::max(1, reshard_every_);
+    update_cost(s.cost);
+  }
+  // A token routed to a rank costs it the expert's compute and its 4 exchanges (dispatch and combine,
+  // forward and backward; all but 1/world of a rank's tokens come from other ranks): the swap's saving
+  // is in both, and where the step waits on the all-to-all (every GPU preset) mostly in the second.
+  void update_cost(const CostModel& c) override {
+    const double exchange_bytes = 4.0 * static_cast<double>(d_model_) * sizeof(float) * (world_ - 1) / world_;
+    config_.expert_seconds_per_token = c.expert_seconds_per_token + (c.bandwidth > 0 ? exchange_bytes / c.bandwidth : 0);
+    config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
+    config_.bandwidth = c.bandwidth;
+  }
   const char* name() const override { return "smartmoe"; }
   void observe(const std::vector<std::vector<int64_t>>& loads, const StepTimes& times) override {
     (void)times;
@@ -26,7 +41,7 @@ class SmartMoe : public Strategy {
     std::vector<std::vector<int>> next;
     for (size_t i = 0; i < owners.size(); ++i)
       next.push_back(plan::smartmoe_plan(owners[i].owner, owners[i].n_ranks, predictor_.predict(static_cast<int>(i)),
-                                         reshard_every_, plan::SmartMoeConfig{reshard_every_})
+                                         reshard_every_, config_)
                          .owner);
     return next;
   }
@@ -34,6 +49,9 @@ class SmartMoe : public Strategy {
  private:
   int reshard_every_ = 0;
   plan::LoadPredictor predictor_;
+  int64_t d_model_ = 0;
+  int world_ = 1;
+  plan::SmartMoeConfig config_;
 };
 
 }  // namespace

@@ -1,10 +1,20 @@
 // run_shell: see shell.h.
 #include "util/shell.h"
 
+#include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
 
 namespace moe {
 
@@ -23,6 +33,61 @@ std::string self_exe(const std::string& fallback) {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
   return n > 0 ? std::string(buf, n) : fallback;
+}
+
+BackgroundProcess::BackgroundProcess(const std::string& command, const std::string& log) : log_(log) {
+  std::ofstream(log, std::ios::trunc).flush();
+  const std::string cmd = "exec " + command + " 2>" + log;
+  const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
+  pid_t pid = -1;
+  if (posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) == 0) pid_ = pid;
+}
+
+BackgroundProcess::~BackgroundProcess() {
+  if (pid_ > 0) stop(60);
+}
+
+std::string BackgroundProcess::log() const {
+  std::ifstream f(log_);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+int BackgroundProcess::wait_for_int_after(const std::string& marker, double timeout_s) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (pid_ > 0) {
+    const std::string text = log();
+    const size_t at = text.find(marker);
+    if (at != std::string::npos) return std::atoi(text.c_str() + at + marker.size());
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {  // ended (reaped here: stop() has nothing to stop)
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      pid_ = -1;
+      return 0;
+    }
+    if (std::chrono::steady_clock::now() > end) return 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return 0;
+}
+
+int BackgroundProcess::stop(double grace_s) {
+  if (pid_ <= 0) return exit_code_;
+  ::kill(pid_, SIGTERM);
+  int status = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
+  while (std::chrono::steady_clock::now() < end) {
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return -1;
 }
 
 void exec_command(std::vector<std::string> args) {

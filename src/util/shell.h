@@ -20,6 +20,31 @@ ShellResult run_shell(const std::string& command);
 // This process's executable (/proc/self/exe), or `fallback` when it cannot be read.
 std::string self_exe(const std::string& fallback);
 
+// A command started in the background (`exec COMMAND 2>LOG` through /bin/sh, so the pid is the
+// command's own), for the tests and benchmarks that drive a server: wait for a line in its log, read
+// the log, stop it with SIGTERM. The destructor stops it if it still runs. Thread safety: none.
+class BackgroundProcess {
+ public:
+  // log: its stderr, truncated first (text read from an older process's log would mislead).
+  BackgroundProcess(const std::string& command, const std::string& log);
+  ~BackgroundProcess();
+  BackgroundProcess(const BackgroundProcess&) = delete;
+  BackgroundProcess& operator=(const BackgroundProcess&) = delete;
+  bool started() const { return pid_ > 0; }
+  std::string log() const;
+  // The integer right after the first `marker` in the log, waiting for it up to timeout_s; 0 when it
+  // never came or the process ended first. E.g. the port of "listening on http://127.0.0.1:PORT".
+  int wait_for_int_after(const std::string& marker, double timeout_s);
+  // SIGTERM, then the exit status (128 + signal when a signal ended it); SIGKILL and -1 when it has not
+  // ended after grace_s. When it had already ended: that exit status.
+  int stop(double grace_s);
+
+ private:
+  std::string log_;
+  int pid_ = -1;
+  int exit_code_ = -1;
+};
+
 // Replaces this process with args[0] (found on PATH like execvp) run with args, stdout flushed first.
 // Returns only if that failed (errno says why). REQUIRES: args non-empty.
 void exec_command(std::vector<std::string> args);
