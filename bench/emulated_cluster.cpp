@@ -15,6 +15,10 @@
 
 namespace moe::bench {
 
+namespace {
+constexpr const char* kSubnet = "10.213.0";  // the fabric's /24; host i is .(i + 1)
+}  // namespace
+
 EmulatedCluster::EmulatedCluster(std::string name, const std::string& nic) : name_(std::move(name)) {
   if (geteuid() != 0) {
     why_ = "needs root (it builds an emulated cluster of network namespaces, scripts/cluster.sh); run it as root";
@@ -25,7 +29,7 @@ EmulatedCluster::EmulatedCluster(std::string name, const std::string& nic) : nam
     return;
   }
   run_shell(command("down"));  // a cluster of this name left by an interrupted run
-  if (ShellResult u = run_shell(command(str_cat("up --nodes 2 --ranks-per-node 1 --nic ", nic))); u.exit_code != 0) {
+  if (ShellResult u = run_shell(command(str_cat("up --nodes 2 --ranks-per-node 1 --subnet ", kSubnet, " --nic ", nic))); u.exit_code != 0) {
     run_shell(command("down"));
     why_ = "cluster up failed: " + u.output;
     return;
@@ -49,5 +53,9 @@ std::string EmulatedCluster::command(const std::string& args) const {
   const std::string script = env && *env ? env : str_cat(MOE_SOURCE_DIR, "/scripts/cluster.sh");
   return str_cat("bash ", script, " --name ", name_, " ", args);
 }
+
+std::string EmulatedCluster::fabric_netns_path() const { return str_cat("/run/netns/", name_, "-head"); }
+
+std::string EmulatedCluster::host_address(int i) const { return str_cat(kSubnet, ".", i + 1); }
 
 }  // namespace moe::bench

@@ -26,6 +26,10 @@ class EmulatedCluster {
   bool shape(const std::string& nic) const;
   // The shell command `cluster.sh --name <name> args` (e.g. args "run --" prefixes a job).
   std::string command(const std::string& args) const;
+  // Where cluster.sh puts things (docs/cluster.md, "What up makes"): the fabric's network namespace,
+  // where mpirun runs and from which every host is reachable, and host i's address on the fabric.
+  std::string fabric_netns_path() const;
+  std::string host_address(int i) const;
 
  private:
   std::string name_;

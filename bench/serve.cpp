@@ -24,9 +24,6 @@
 // none the router collapses onto 2 experts.
 #include <fcntl.h>
 #include <sched.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <httplib.h>
@@ -111,6 +108,8 @@ Status make_prompts(const Workload& w, std::vector<Prompt>* out) {
 
 // Where the server's 2 ranks run and how the client reaches rank 0.
 struct Place {
+  std::string bench;   // the report's name: serve, cluster-serve
+  std::string where;   // the ranks, for the report's title
   std::string launch;  // the command line before `serve ...`: mpirun of this moe on 2 ranks
   std::string listen;  // --host of moe serve
   std::string host;    // the address the client connects to
@@ -342,11 +341,9 @@ const std::vector<Workload>& workloads() {
   return w;
 }
 
-int serve_on(const Place& at, const std::string& where, const BenchOptions& opt, const ScratchDir& scratch,
-             const std::string& checkpoint) {
-  Report report(where == "local" ? "serve" : "cluster-serve",
-                "moe serve on " + std::string(where == "local" ? "2 local ranks" : "2 emulated hosts x 1 rank (1 Gbit/s)") +
-                    " (1 thread each), streamed requests of real text (80% Python docs, 20% GPL-3), temperature 0.8; " +
+int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch, const std::string& checkpoint) {
+  Report report(at.bench,
+                "moe serve on " + at.where + " (1 thread each), streamed requests of real text (80% Python docs, 20% GPL-3), temperature 0.8; " +
                     std::to_string(opt.repeats) + " interleaved rounds of 15 s per schedule and workload",
                 opt, /*uses_gemm=*/false);
   const std::string log = (scratch.path() / "serve.log").string();
@@ -373,8 +370,9 @@ int serve(const BenchOptions& opt) {
   const ScratchDir scratch("moe_bench_serve_");
   const std::string checkpoint = bench_checkpoint(scratch);
   if (checkpoint.empty()) return 1;
-  const Place local{std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe"), "127.0.0.1", "127.0.0.1"};
-  return serve_on(local, "local", opt, scratch, checkpoint);
+  const Place local{"serve", "2 local ranks", std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe"), "127.0.0.1",
+                    "127.0.0.1"};
+  return serve_on(local, opt, scratch, checkpoint);
 }
 
 int cluster_serve(const BenchOptions& opt) {
@@ -386,15 +384,16 @@ int cluster_serve(const BenchOptions& opt) {
     std::fprintf(stderr, "moe bench cluster-serve: %s\n", cluster.why().c_str());
     return 1;
   }
-  // The client runs where mpirun does, in the fabric's namespace; rank 0 listens on host 0's NIC
-  // (cluster.sh's first host, 10.213.0.1 on its default subnet).
-  const NetnsGuard fabric("/run/netns/moebench-head");
+  // The client runs where mpirun does, in the fabric's namespace; rank 0 listens on host 0's NIC.
+  const NetnsGuard fabric(cluster.fabric_netns_path());
   if (!fabric.entered()) {
-    std::fprintf(stderr, "moe bench cluster-serve: cannot enter the namespace moebench-head: %s\n", std::strerror(errno));
+    std::fprintf(stderr, "moe bench cluster-serve: cannot enter the namespace %s: %s\n",
+                 cluster.fabric_netns_path().c_str(), std::strerror(errno));
     return 1;
   }
-  const Place hosts{cluster.command("run -- " + self_exe("moe")), "0.0.0.0", "10.213.0.1"};
-  return serve_on(hosts, "cluster", opt, scratch, checkpoint);
+  const Place hosts{"cluster-serve", "2 emulated hosts x 1 rank (1 Gbit/s)", cluster.command("run -- " + self_exe("moe")),
+                    "0.0.0.0", cluster.host_address(0)};
+  return serve_on(hosts, opt, scratch, checkpoint);
 }
 
 }  // namespace moe::bench

@@ -21,12 +21,8 @@
 
 #include <httplib.h>
 #include <nlohmann/json.hpp>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <thread>
 
 namespace fs = std::filesystem;

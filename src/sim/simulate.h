@@ -143,5 +143,4 @@ struct SimRunResult {
 Status resolve(SimRunConfig* cfg);  // fills ranks and ep_size defaults
 Status simulate(SimRunConfig cfg, SimRunResult* out);
 
-
 }  // namespace moe::sim

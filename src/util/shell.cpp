@@ -35,6 +35,11 @@ std::string self_exe(const std::string& fallback) {
   return n > 0 ? std::string(buf, n) : fallback;
 }
 
+namespace {
+// A waitpid status as a shell reports it: the exit code, or 128 + the signal that ended it.
+int exit_status(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+}  // namespace
+
 BackgroundProcess::BackgroundProcess(const std::string& command, const std::string& log) : log_(log) {
   std::ofstream(log, std::ios::trunc).flush();
   const std::string cmd = "exec " + command + " 2>" + log;
@@ -62,7 +67,7 @@ int BackgroundProcess::wait_for_int_after(const std::string& marker, double time
     if (at != std::string::npos) return std::atoi(text.c_str() + at + marker.size());
     int status = 0;
     if (::waitpid(pid_, &status, WNOHANG) == pid_) {  // ended (reaped here: stop() has nothing to stop)
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      exit_code_ = exit_status(status);
       pid_ = -1;
       return 0;
     }
@@ -80,7 +85,7 @@ int BackgroundProcess::stop(double grace_s) {
   while (std::chrono::steady_clock::now() < end) {
     if (::waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;
-      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      return exit_status(status);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
