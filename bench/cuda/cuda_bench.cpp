@@ -197,18 +197,22 @@ int cuda_kernels(const BenchOptions& opt) {
     if (Status s = fill_random_bf16(*ctx, w.get(), w.bytes(), 4); !s) return fail(s);
     // The experts' products each way grouped_gemm can run them (Context lanes and chunk rows): one
     // cublasGemmGroupedBatchedEx call; one cublasGemmEx per expert on n concurrent lanes; full chunks
-    // of r rows, partial ones padded, as one cublasGemmBatchedEx; and, for reference, the
+    // of r rows, the last one padded or overlapping, as one cublasGemmBatchedEx; and, for reference, the
     // same per-expert GEMMs one after another on one stream ("looped").
     const int default_lanes = ctx->grouped_gemm_lanes(), default_chunk = ctx->grouped_gemm_chunk_rows();
+    const bool default_overlap = ctx->grouped_gemm_chunk_overlap();
     const struct {
       int lanes, chunk_rows;  // lanes < 0: looped
-    } ways[] = {{0, 0}, {2, 0}, {4, 0}, {8, 0}, {4, 64}, {4, 128}, {4, 256}, {-1, 0}};
+      bool overlap;           // chunks: the last one overlapping (else padded)
+    } ways[] = {{0, 0, false},  {2, 0, false},   {4, 0, false},   {8, 0, false}, {4, 64, true},
+                {4, 128, true}, {4, 128, false}, {4, 256, true}, {-1, 0, false}};
     for (bool skewed : {false, true}) {
       const std::vector<int64_t> off = expert_offsets(R, sh.E, skewed);
       for (const auto& way : ways) {
         double t = 0;
         ctx->set_grouped_gemm_lanes(std::max(way.lanes, 0));
         ctx->set_grouped_gemm_chunk_rows(way.chunk_rows);
+        ctx->set_grouped_gemm_chunk_overlap(way.overlap);
         Status st = time_it(*ctx, repeats, 10, [&] {
           return way.lanes < 0 ? cuda::grouped_gemm_looped(*ctx, DType::bf16, true, y.get(), x.get(), w.get(), off.data(),
                                                            sh.E, sh.C, sh.F, 1.0f, 0.0f)
@@ -219,13 +223,16 @@ int cuda_kernels(const BenchOptions& opt) {
         std::string how = way.lanes < 0    ? "looped, one stream"
                           : way.lanes == 0 ? "cuBLAS grouped call"
                                            : str_cat(way.lanes, " lanes");
-        if (way.chunk_rows > 0) how = str_cat(way.chunk_rows, "-row chunks, one batched call");
-        if (way.lanes == default_lanes && way.chunk_rows == default_chunk) how += " (default)";
+        if (way.chunk_rows > 0)
+          how = str_cat(way.chunk_rows, "-row chunks, ", way.overlap ? "last overlapping" : "last padded");
+        if (way.lanes == default_lanes && way.chunk_rows == default_chunk && way.overlap == default_overlap)
+          how += " (default)";
         row(str_cat("  experts GEMM, ", skewed ? "zipf 1.0, " : "balanced, ", how), flops, bytes, t, merged_s / t);
       }
     }
     ctx->set_grouped_gemm_lanes(default_lanes);
     ctx->set_grouped_gemm_chunk_rows(default_chunk);
+    ctx->set_grouped_gemm_chunk_overlap(default_overlap);
     // The whole layer, forward + backward.
     std::unique_ptr<cuda::MoeLayer> layer;
     if (Status s = cuda::MoeLayer::create(*ctx, DType::bf16, {sh.C, sh.F, sh.E, sh.K, true}, sh.tokens, &layer); !s)

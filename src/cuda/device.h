@@ -98,6 +98,13 @@ class Context {
   // chunks in place, each expert's last partial chunk copied into a padded chunk and back. 0: no chunks.
   void set_grouped_gemm_chunk_rows(int rows) { chunk_rows_ = rows < 0 ? 0 : rows; }
   int grouped_gemm_chunk_rows() const { return chunk_rows_; }
+  // With chunks and beta = 0, an expert with more rows than a chunk runs its last partial chunk as
+  // the full chunk that ends at its last row instead (true, the default): it overlaps the previous
+  // chunk, whose rows are then computed twice by the same kernel on the same inputs and written
+  // with the same bits, and no padded copy is made. Experts with fewer rows than a chunk, and
+  // beta != 0 (the overlap would add twice), still go through the padded chunk. false: always padded.
+  void set_grouped_gemm_chunk_overlap(bool on) { chunk_overlap_ = on; }
+  bool grouped_gemm_chunk_overlap() const { return chunk_overlap_; }
 
   // Side stream i (i < n) for concurrent GEMMs, with a cuBLAS handle and workspace of its own (a
   // handle's workspace must not be shared by kernels that may run at once). Created on first use.
@@ -137,6 +144,7 @@ class Context {
   bool tf32_ = false;
   int grouped_lanes_ = kDefaultGroupedLanes;
   int chunk_rows_ = kDefaultChunkRows;
+  bool chunk_overlap_ = true;
   std::unique_ptr<Lane[]> lanes_;
   int lane_count_ = 0;
   cudaEvent_t fork_ = nullptr;

@@ -118,7 +118,8 @@ Status check_offsets(const char* what, const int64_t* off, int64_t E) {
 int64_t grouped_fallbacks = 0;  // grouped_gemm_fallbacks()
 
 // Every product cut into chunks of `rows` rows, all run as one cublasGemmBatchedEx call on
-// ctx.stream(): the full chunks in place; each product's last partial chunk through a padded chunk
+// ctx.stream(): the full chunks in place; each product's last partial chunk as the full chunk ending
+// at its last row where Context::grouped_gemm_chunk_overlap allows, else through a padded chunk
 // in scratch (its rows gathered in, the GEMM over all `rows` rows, the real rows scattered back; the
 // padding repeats the chunk's first row, so it is finite, and is dropped). Only for products whose
 // rows are independent (grouped_gemm; not the weight gradients, which sum over the rows). X and Y are
@@ -129,6 +130,9 @@ Status run_chunked(Context& ctx, DType dt, const std::vector<RowMajorGemm>& gs, 
   auto row_of = [&](const void* p, const void* base, int64_t width) {
     return static_cast<int32_t>((static_cast<const char*>(p) - static_cast<const char*>(base)) / (width * esz));
   };
+  // Where the last partial chunk may instead be the full chunk ending at the product's last row
+  // (Context::grouped_gemm_chunk_overlap): it rewrites rows of the chunk before it with the same bits.
+  const bool overlap = beta == 0.0f && ctx.grouped_gemm_chunk_overlap();
   std::vector<RowMajorGemm> chunks, partial;
   for (const RowMajorGemm& g : gs) {
     const int64_t full = g.M / rows;
@@ -136,9 +140,12 @@ Status run_chunked(Context& ctx, DType dt, const std::vector<RowMajorGemm>& gs, 
       RowMajorGemm p = g;
       p.M = c < full ? rows : g.M % rows;
       if (p.M == 0) continue;
-      p.A = static_cast<const char*>(g.A) + c * rows * g.lda * esz;
-      p.C = static_cast<char*>(g.C) + c * rows * g.ldc * esz;
-      (c < full ? chunks : partial).push_back(p);
+      const bool window = c == full && overlap && full > 0;
+      const int64_t first_row = window ? g.M - rows : c * rows;
+      if (window) p.M = rows;
+      p.A = static_cast<const char*>(g.A) + first_row * g.lda * esz;
+      p.C = static_cast<char*>(g.C) + first_row * g.ldc * esz;
+      (c < full || window ? chunks : partial).push_back(p);
     }
   }
   // Device scratch: [padded X: partials x rows x Kin][padded Y: partials x rows x Nout]. The pointer

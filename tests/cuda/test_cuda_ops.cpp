@@ -177,15 +177,22 @@ TEST_P(CudaOps, GroupedExpertGemmMatchesPerExpertLinear) {
   ASSERT_TRUE(grouped_gemm_looped(*ctx_, dt_, true, gh_loop, gx, gw1, off.data(), E, C, F, 1.0f, 0.0f).is_ok());
   expect_close("grouped_gemm_looped forward", download(gh_loop, h.size()), h);
   // Each way grouped_gemm can run (Context lanes and chunk rows): the cuBLAS grouped call; 4 lanes;
-  // chunks of 8 rows in one batched call, partial ones padded (13 = 8 + 5, 27 = 3 x 8 + 3, 1, 29).
+  // chunks of 8 rows in one batched call (13 = 8 + 5, 27 = 3 x 8 + 3, 1, 29 = 3 x 8 + 5), the partial
+  // ones padded, or (beta = 0) the last chunk overlapping the one before it, except the 1-row expert's.
   const struct {
     const char* name;
     int lanes, chunk_rows;
-  } ways[] = {{"cuBLAS grouped call", 0, 0}, {"4 lanes", 4, 0}, {"8-row chunks", 4, 8}};
+    bool overlap;
+  } ways[] = {{"cuBLAS grouped call", 0, 0, false},
+              {"4 lanes", 4, 0, false},
+              {"8-row chunks, padded", 4, 8, false},
+              {"8-row chunks, last one overlapping", 4, 8, true}};
+  std::vector<Vec> chunked_forward;  // the two chunked ways' forward, bit for bit
   for (const auto& way : ways) {
     SCOPED_TRACE(way.name);
     ctx_->set_grouped_gemm_lanes(way.lanes);
     ctx_->set_grouped_gemm_chunk_rows(way.chunk_rows);
+    ctx_->set_grouped_gemm_chunk_overlap(way.overlap);
     void *gh = upload(Vec(R * F)), *gdx = upload(Vec(R * C)), *gdw1 = upload(dw1_start);
     ASSERT_TRUE(grouped_gemm(*ctx_, dt_, true, gh, gx, gw1, off.data(), E, C, F, 1.0f, 0.0f).is_ok());
     ASSERT_TRUE(grouped_gemm(*ctx_, dt_, false, gdx, gdh, gw1, off.data(), E, F, C, 1.0f, 0.0f).is_ok());
@@ -195,6 +202,7 @@ TEST_P(CudaOps, GroupedExpertGemmMatchesPerExpertLinear) {
     }
     const std::string tag = std::string(" (") + way.name + ")";
     expect_close(("grouped_gemm forward" + tag).c_str(), download(gh, h.size()), h);
+    if (way.chunk_rows > 0) chunked_forward.push_back(download(gh, h.size()));
     expect_close(("grouped_gemm backward dx" + tag).c_str(), download(gdx, dx.size()), dx);
     expect_close(("grouped_gemm_weight_grad" + tag).c_str(), download(gdw1, dw1.size()), dw1);
     // beta = 1 accumulates into what Y holds (the MoE layer's SwiGLU backward does): h + h.
@@ -203,8 +211,12 @@ TEST_P(CudaOps, GroupedExpertGemmMatchesPerExpertLinear) {
     for (float& v : twice) v *= 0.5f;
     expect_close(("grouped_gemm beta=1, halved" + tag).c_str(), twice, h);
   }
+  // The overlapping chunk runs the same kernel on the same rows as the padded one: same bits.
+  ASSERT_EQ(chunked_forward.size(), 2u);
+  EXPECT_EQ(chunked_forward[0], chunked_forward[1]) << "overlapping last chunk changed the forward's bits";
   ctx_->set_grouped_gemm_lanes(Context::kDefaultGroupedLanes);
   ctx_->set_grouped_gemm_chunk_rows(Context::kDefaultChunkRows);
+  ctx_->set_grouped_gemm_chunk_overlap(true);
 }
 
 TEST_P(CudaOps, Elementwise) {
