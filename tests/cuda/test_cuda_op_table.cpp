@@ -2,7 +2,7 @@
 // modes as on the CPU (tests/test_op_table.cpp): value against the row's double-precision reference
 // (cuda/ops.h's f32 policy, |gpu - ref| <= 1e-4 max(1, |ref|), NaN/Inf apart), gradient against
 // central finite differences of the GPU's own forward, and the accumulate rule. A row gets its GPU
-// run by adding one adapter below (the kernels, uploads and downloads).
+// run by adding one adapter below (the kernels, uploads and downloads); every row has one.
 // Without a GPU (no device or no driver: CI, the CPU machines) every test skips, saying why.
 #include <gtest/gtest.h>
 
@@ -61,6 +61,30 @@ struct Adapter {
   std::function<void(Gpu&, const OpRow&, const OpInputs&, float* out)> forward;
   std::function<void(Gpu&, const OpRow&, const OpInputs&, const float* dout, const std::vector<float*>& grads)> backward;
 };
+
+// For combine_rows: each of N destination rows' source rows r (index[r] == n) in increasing r, as
+// token_rows [N,K] with K the most sources any row has, -1 where a row has fewer.
+struct SourceRows {
+  int64_t K = 1;
+  std::vector<int32_t> rows;  // [N,K]
+  // weight [N,K]: per_source[r] at each source, 0 at the -1 entries
+  Vec weights(const Vec& per_source) const {
+    Vec w(rows.size(), 0.0f);
+    for (size_t nk = 0; nk < rows.size(); ++nk)
+      if (rows[nk] >= 0) w[nk] = per_source[rows[nk]];
+    return w;
+  }
+};
+SourceRows sources_of(const std::vector<int32_t>& index, int64_t N) {
+  std::vector<std::vector<int32_t>> by_row(N);
+  for (size_t r = 0; r < index.size(); ++r) by_row[index[r]].push_back(static_cast<int32_t>(r));
+  SourceRows s;
+  for (const auto& v : by_row) s.K = std::max<int64_t>(s.K, static_cast<int64_t>(v.size()));
+  s.rows.assign(N * s.K, -1);
+  for (int64_t n = 0; n < N; ++n)
+    for (size_t k = 0; k < by_row[n].size(); ++k) s.rows[n * s.K + k] = by_row[n][k];
+  return s;
+}
 
 // Shapes come from the row's dims.
 std::map<std::string, Adapter> adapters() {
@@ -156,13 +180,98 @@ std::map<std::string, Adapter> adapters() {
                     g.to_host(gr[0], dx, N * C);
                     g.to_host(gr[1], dw, C);
                   }};
+  // The scatter-adds (gather_rows' adjoint, scatter_add_rows) run on the GPU as the MoE combine does
+  // them: combine_rows, the gather form, with every destination row's sources listed in row order.
   a["gather_rows"] = {[=](Gpu& g, const OpRow& row, const OpInputs& in, float* out) {
                         const int64_t R = row.dims.at("R"), C = row.dims.at("C");
                         float* y = g.zeros(R * C);
                         ok(gather_rows(g.ctx(), f32, y, g.floats(in.f[0]), g.ints(in.i[0]), R, C));
                         g.to_host(out, y, R * C);
                       },
-                      {}};  // its adjoint on the GPU is part of the MoE combine (test_cuda_ops)
+                      [=](Gpu& g, const OpRow& row, const OpInputs& in, const float* dout, const std::vector<float*>& gr) {
+                        const int64_t N = row.dims.at("N"), R = row.dims.at("R"), C = row.dims.at("C");
+                        const SourceRows src = sources_of(in.i[0], N);
+                        float* dx = g.floats(Vec(gr[0], gr[0] + N * C));
+                        ok(combine_rows(g.ctx(), f32, dx, g.floats(Vec(dout, dout + R * C)), g.ints(src.rows),
+                                        g.floats(Vec(src.rows.size(), 1.0f)), N, src.K, C, /*accumulate=*/true));
+                        g.to_host(gr[0], dx, N * C);
+                      }};
+  a["scatter_add_rows"] = {
+      [=](Gpu& g, const OpRow& row, const OpInputs& in, float* out) {
+        const int64_t N = row.dims.at("N"), C = row.dims.at("C");
+        const SourceRows src = sources_of(in.i[0], N);
+        float* y = g.zeros(N * C);
+        ok(combine_rows(g.ctx(), f32, y, g.floats(in.f[0]), g.ints(src.rows), g.floats(src.weights(in.f[1])), N, src.K,
+                        C, /*accumulate=*/false));
+        g.to_host(out, y, N * C);
+      },
+      [=](Gpu& g, const OpRow& row, const OpInputs& in, const float* dout, const std::vector<float*>& gr) {
+        // combine_rows_backward overwrites d rows and accumulates d weight per (n, k): both go through
+        // zeroed buffers and are added into the host gradients by row.
+        const int64_t N = row.dims.at("N"), R = row.dims.at("R"), C = row.dims.at("C");
+        const SourceRows src = sources_of(in.i[0], N);
+        float *drows = g.zeros(R * C), *dweight = g.zeros(src.rows.size());
+        ok(combine_rows_backward(g.ctx(), f32, drows, dweight, g.floats(Vec(dout, dout + N * C)), g.floats(in.f[0]),
+                                 g.ints(src.rows), g.floats(src.weights(in.f[1])), N, src.K, C));
+        Vec dr(R * C), dw(src.rows.size());
+        g.to_host(dr.data(), drows, dr.size());
+        g.to_host(dw.data(), dweight, dw.size());
+        for (int64_t i = 0; i < R * C; ++i) gr[0][i] += dr[i];
+        for (size_t nk = 0; nk < src.rows.size(); ++nk)
+          if (src.rows[nk] >= 0) gr[1][src.rows[nk]] += dw[nk];
+      }};
+  a["attention"] = {[=](Gpu& g, const OpRow& row, const OpInputs& in, float* out) {
+                      const int64_t B = row.dims.at("B"), T = row.dims.at("T"), C = row.dims.at("C"), NH = row.dims.at("NH");
+                      float *y = g.zeros(B * T * C), *pre = g.zeros(B * NH * T * T), *att = g.zeros(B * NH * T * T);
+                      ok(attention_forward(g.ctx(), f32, y, pre, att, g.zeros(4 * B * T * C), g.floats(in.f[0]), B, T, C,
+                                           NH));
+                      g.to_host(out, y, B * T * C);
+                    },
+                    [=](Gpu& g, const OpRow& row, const OpInputs& in, const float* dout, const std::vector<float*>& gr) {
+                      const int64_t B = row.dims.at("B"), T = row.dims.at("T"), C = row.dims.at("C"), NH = row.dims.at("NH");
+                      const int64_t TT = B * NH * T * T;
+                      float *y = g.zeros(B * T * C), *pre = g.zeros(TT), *att = g.zeros(TT), *qkv = g.floats(in.f[0]);
+                      ok(attention_forward(g.ctx(), f32, y, pre, att, g.zeros(4 * B * T * C), qkv, B, T, C, NH));
+                      float* dqkv = g.floats(Vec(gr[0], gr[0] + 3 * B * T * C));
+                      ok(attention_backward(g.ctx(), f32, dqkv, g.zeros(TT), g.zeros(TT), g.zeros(8 * B * T * C),
+                                            g.floats(Vec(dout, dout + B * T * C)), qkv, att, B, T, C, NH));
+                      g.to_host(gr[0], dqkv, 3 * B * T * C);
+                    }};
+  a["embedding"] = {[=](Gpu& g, const OpRow& row, const OpInputs& in, float* out) {
+                      const int64_t B = row.dims.at("B"), T = row.dims.at("T"), C = row.dims.at("C");
+                      float* y = g.zeros(B * T * C);
+                      ok(embedding_forward(g.ctx(), f32, y, g.ints(in.i[0]), g.floats(in.f[0]), g.floats(in.f[1]), B, T, C));
+                      g.to_host(out, y, B * T * C);
+                    },
+                    [=](Gpu& g, const OpRow& row, const OpInputs& in, const float* dout, const std::vector<float*>& gr) {
+                      const int64_t B = row.dims.at("B"), T = row.dims.at("T"), C = row.dims.at("C"), V = row.dims.at("V");
+                      float *dwte = g.floats(Vec(gr[0], gr[0] + V * C)), *dwpe = g.floats(Vec(gr[1], gr[1] + T * C));
+                      // the tokens go as a host array (ops.h: grouped by token on the host)
+                      ok(embedding_backward(g.ctx(), f32, dwte, dwpe, g.floats(Vec(dout, dout + B * T * C)),
+                                            in.i[0].data(), B, T, C));
+                      g.to_host(gr[0], dwte, V * C);
+                      g.to_host(gr[1], dwpe, T * C);
+                    }};
+  // out[0] = the mean of the GPU's per-row losses (the mean is the caller's, ops.h).
+  a["cross_entropy"] = {[=](Gpu& g, const OpRow& row, const OpInputs& in, float* out) {
+                          const int64_t N = row.dims.at("N"), V = row.dims.at("V");
+                          float *probs = g.zeros(N * V), *losses = g.zeros(N);
+                          ok(cross_entropy_forward(g.ctx(), f32, probs, losses, g.floats(in.f[0]), g.ints(in.i[0]), N, V));
+                          Vec l(N);
+                          g.to_host(l.data(), losses, N);
+                          double sum = 0;
+                          for (float v : l) sum += v;
+                          out[0] = static_cast<float>(sum / static_cast<double>(N));
+                        },
+                        [=](Gpu& g, const OpRow& row, const OpInputs& in, const float* dout, const std::vector<float*>& gr) {
+                          const int64_t N = row.dims.at("N"), V = row.dims.at("V");
+                          float *probs = g.zeros(N * V), *losses = g.zeros(N);
+                          int32_t* targets = g.ints(in.i[0]);
+                          ok(cross_entropy_forward(g.ctx(), f32, probs, losses, g.floats(in.f[0]), targets, N, V));
+                          float* dlogits = g.floats(Vec(gr[0], gr[0] + N * V));
+                          ok(cross_entropy_backward(g.ctx(), f32, dlogits, probs, targets, N, V, dout[0]));
+                          g.to_host(gr[0], dlogits, N * V);
+                        }};
   return a;
 }
 
@@ -228,6 +337,39 @@ TEST_P(CudaOpTable, GradientMatchesFiniteDifferences) {
     EXPECT_TRUE(r.finite) << row.name;
     // The GPU's f32 reductions run in another order than the CPU's: twice the row's CPU tolerance.
     EXPECT_LE(r.max_rel_err, 2 * row.grad_tol) << row.name << " d" << row.floats[k].name;
+  }
+}
+
+// The accumulate rule: the GPU backward on gradients pre-filled with P gives P + what it gives on zeros.
+TEST_P(CudaOpTable, BackwardAccumulates) {
+  const OpRow& row = GetParam();
+  if (!adapter_.backward) GTEST_SKIP() << row.name << ": no CUDA backward in the table";
+  const OpInputs in = moe::testing::make_inputs(row);
+  Vec R(row.out_size);
+  moe::testing::fill_normal(R.data(), R.size(), 778);
+  auto grads_from = [&](bool prefilled) {
+    std::vector<Vec> grads;
+    std::vector<float*> ptrs;
+    for (size_t k = 0; k < row.floats.size(); ++k) {
+      grads.emplace_back(row.floats[k].size, 0.0f);
+      if (prefilled) moe::testing::fill_normal(grads[k].data(), grads[k].size(), 900 + k);
+    }
+    for (size_t k = 0; k < grads.size(); ++k) ptrs.push_back(row.floats[k].differentiable ? grads[k].data() : nullptr);
+    Gpu gpu(*ctx_);
+    adapter_.backward(gpu, row, in, R.data(), ptrs);
+    return grads;
+  };
+  const std::vector<Vec> zero = grads_from(false), acc = grads_from(true);
+  for (size_t k = 0; k < row.floats.size(); ++k) {
+    if (!row.floats[k].differentiable) continue;
+    Vec pre(row.floats[k].size);
+    moe::testing::fill_normal(pre.data(), pre.size(), 900 + k);
+    double worst = 0;
+    for (size_t i = 0; i < pre.size(); ++i) {
+      const double want = static_cast<double>(pre[i]) + zero[k][i];
+      worst = std::max(worst, std::fabs(acc[k][i] - want) / (1e-6 * (std::fabs(pre[i]) + std::fabs(zero[k][i])) + 1e-7));
+    }
+    EXPECT_LE(worst, 1.0) << row.name << " d" << row.floats[k].name << ": backward does not accumulate";
   }
 }
 
