@@ -234,7 +234,7 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
     std::vector<double> latency, first_token;  // every round's requests
     std::vector<double> round_p50, round_p95;  // each round's own quantiles
     int64_t requests = 0, failed = 0;
-    double estimated = 0, accurate = 0, replans = 0, replicas = 0, layer_forwards = 0, gathered = 0;
+    double estimated = 0, accurate = 0, replans = 0, replicas = 0, cached = 0, layer_forwards = 0, gathered = 0;
   };
   std::vector<Result> results(schedules.size());
   for (int round = 0; round < opt.repeats; ++round)
@@ -284,6 +284,7 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
       r.accurate += metric(m, "moe_schedule_estimates_accurate_total");
       r.replans += metric(m, "moe_schedule_replans_total");
       r.replicas += metric(m, "moe_schedule_replicas_total");
+      r.cached += metric(m, "moe_schedule_cached_total");
       r.gathered += metric(m, "moe_schedule_gathered_bytes_total");
     }
 
@@ -296,7 +297,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
   report.table(title, {{"schedule", "", 0, 18}, {"requests", "", 0}, {"failed", "", 0}, {"latency p50", "ms", 0},
                        {"p95", "ms", 0}, {"p95 rounds min", "ms", 0}, {"p95 rounds max", "ms", 0}, {"p99 all", "ms", 0},
                        {"p50 / ideal", "x", 2}, {"p95 / ideal", "x", 2}, {"p95 / ep", "x", 2}, {"first token p95", "ms", 0},
-                       {"estimate right", "%", 0}, {"re-planned", "%", 0}, {"replicas", "", 2}, {"gathered", "MB", 1}});
+                       {"estimate right", "%", 0}, {"re-planned", "%", 0}, {"replicas", "", 2}, {"cached", "", 2},
+                       {"gathered", "MB", 1}});
   // p50 and p95: the median over the rounds of each round's quantile, so one disturbed round (this
   // machine is shared) moves a figure less than a quantile over every round's requests would.
   auto median = [](const std::vector<double>& v) { return quantile(v, 0.5); };
@@ -310,7 +312,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
                 *std::max_element(r.round_p95.begin(), r.round_p95.end()), quantile(r.latency, 0.99), p50 / ideal_p50,
                 p95 / ideal_p95, p95 / ep_p95, quantile(r.first_token, 0.95),
                 r.estimated > 0 ? 100 * r.accurate / r.estimated : nan, r.estimated > 0 ? 100 * r.replans / r.estimated : nan,
-                r.layer_forwards > 0 ? r.replicas / r.layer_forwards : nan, r.gathered / 1e6});
+                r.layer_forwards > 0 ? r.replicas / r.layer_forwards : nan,
+                r.layer_forwards > 0 ? r.cached / r.layer_forwards : nan, r.gathered / 1e6});
   }
   return true;
 }
@@ -353,8 +356,9 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
               "over the rounds of each round's quantile, with the rounds' lowest and highest p95; p99 all and first token "
               "p95 (to the first event with text): over every round's requests");
   report.note("estimate right: MoE layer forwards whose phase-1 estimate had the gate's top-k experts (Lina's accuracy); "
-              "re-planned: those with a phase-2 re-plan; replicas: extra expert copies per MoE layer forward; gathered: "
-              "expert weights rank 0 sent and received for them (the schedule's /metrics)");
+              "re-planned: those with a phase-2 re-plan; replicas: extra expert copies per MoE layer forward; cached: "
+              "replicas held but unused by the plan (the replica cache, --replica-cache) per MoE layer forward; "
+              "gathered: expert weights rank 0 sent and received for them (the schedule's /metrics)");
   report.note("ideal: ep with a perfectly balanced gate (every expert the same load; its text is meaningless), the "
               "reference the other schedules are normalised by, as in the Lina paper");
   report.note(std::getenv("MOE_BENCH_CHECKPOINT") && *std::getenv("MOE_BENCH_CHECKPOINT")

@@ -106,6 +106,28 @@ TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
   EXPECT_EQ(moe::plan::lina_placement(small, owners, &decode, &cheap).replicas, owners.replicas);
 }
 
+// Rent or buy: the same hot expert (12.5 ms saved a step, as above) against a 30 ms move. Refused on
+// the first and second steps (12.5, then 12.5 + 12.5 = 25 <= 30), bought on the third (37.5 > 30), when
+// the savings refused so far plus this step's pass the move; the sum is then reset. Without the sum
+// it is refused every step.
+TEST(LinaPlan, RentOrBuyBuysAReplicaOnceTheRefusedSavingsPassItsMove) {
+  const LayerPlacement owners = moe::plan::even_placement(4, 2);
+  const std::vector<double> pop{30, 2, 2, 2};
+  const moe::plan::LinaCost cost{1e-3, 0.5e-3, 30e-3};
+  std::vector<double> foregone(2 * 4, 0.0);
+  for (int step = 1; step <= 2; ++step) {
+    EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost, &owners, &foregone).replicas, owners.replicas) << step;
+    EXPECT_NEAR(foregone[1 * 4 + 0], step * 12.5e-3, 1e-12) << "rank 1, expert 0, step " << step;
+  }
+  const LayerPlacement bought = moe::plan::lina_placement(pop, owners, &cost, &owners, &foregone);
+  EXPECT_EQ(bought.replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(foregone, std::vector<double>(8, 0.0));
+  for (int step = 1; step <= 5; ++step)
+    EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost, &owners).replicas, owners.replicas) << step;
+  std::vector<double> wrong_size(3, 0.0);
+  EXPECT_THROW(moe::plan::lina_placement(pop, owners, &cost, &owners, &wrong_size), std::logic_error);
+}
+
 TEST(LinaPlan, TopExpertsBreakTiesToTheLowerIndex) {
   EXPECT_EQ(moe::plan::top_experts({1, 3, 3, 2}, 2), (std::vector<int>{1, 2}));
   EXPECT_EQ(moe::plan::top_experts({5, 1, 5, 5}, 2), (std::vector<int>{0, 2}));

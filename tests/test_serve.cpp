@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "comm/mpi_communicator.h"
 #include "model/model.h"
 #include "serve/engine.h"
 #include "serve/sampler.h"
@@ -137,6 +138,76 @@ TEST(Batching, RaggedRowsOfSeveralSequencesEqualEachAlone) {
   const Row last{1, 8, a[8], true};
   e.forward({&last, 1}, out.data());
   EXPECT_LT(max_rel_diff(out.data(), la.data() + 8 * V, V), 1e-5);
+}
+
+// The replica cache (InferenceEngine::set_replica_cache) on 2 ranks, as one rank of `mpirun -n 2 <this
+// binary>` (MOE_ENGINE_CHILD set; the parent test below starts it). The same batches, each rank its
+// own rows, through ep and through lina-no-estimate without a price (every replica the popularity
+// asks for is gathered) with the cache off and on, each on its own copy of the model: the logits equal
+// ep's up to GEMM rounding (a replica computes an expert's rows in other batches), the cache holds
+// replicas the plan does not use, and it gathers fewer bytes than without it.
+TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
+  if (!std::getenv("MOE_ENGINE_CHILD")) GTEST_SKIP() << "runs under the parent test (MOE_ENGINE_CHILD)";
+  std::unique_ptr<moe::comm::MpiSession> session;
+  ASSERT_TRUE(moe::comm::MpiSession::start(&session));
+  std::unique_ptr<moe::comm::Communicator> world;
+  ASSERT_TRUE(session->world(&world));
+  ASSERT_EQ(world->size(), 2);
+  ModelConfig cfg = small_config(false);
+  cfg.router_skew = 0;  // the tokens, not a bias, decide which experts are popular
+  const int64_t V = cfg.vocab_size, B = 6, kBatches = 12;
+  // Batch i: B rows of one repeated byte (slot i % 2, positions 0..B-1), another byte on each rank and
+  // in each batch, so that a few experts are popular and which ones moves from batch to batch.
+  auto run = [&](moe::serve::Schedule schedule, int cache, moe::serve::ScheduleStats* stats) {
+    Model model(cfg, 2);
+    model.init(5);
+    model.set_expert_parallel(world.get(), world.get());
+    InferenceEngine engine(model, 2, cfg.seq_len);
+    engine.set_schedule(schedule, nullptr, world.get());
+    engine.set_replica_cache(cache);
+    std::vector<float> all;
+    for (int64_t i = 0; i < kBatches; ++i) {
+      const int32_t byte = static_cast<int32_t>((53 * i + 101 * world->rank() + 7) % 256);
+      std::vector<Row> rows;
+      for (int32_t j = 0; j < B; ++j) rows.push_back({static_cast<int32_t>(i % 2), j, byte, true});
+      std::vector<float> out(B * V);
+      engine.forward(rows, out.data());
+      all.insert(all.end(), out.begin(), out.end());
+    }
+    if (stats) *stats = engine.schedule_stats();
+    return all;
+  };
+  const std::vector<float> ep = run(moe::serve::Schedule::ep, 0, nullptr);
+  moe::serve::ScheduleStats off, on;
+  const std::vector<float> plain = run(moe::serve::Schedule::lina_no_estimate, 0, &off);
+  const std::vector<float> cached = run(moe::serve::Schedule::lina_no_estimate, 4, &on);
+  const int64_t n = static_cast<int64_t>(ep.size());
+  const double d_plain = max_rel_diff(plain.data(), ep.data(), n), d_cached = max_rel_diff(cached.data(), ep.data(), n);
+  EXPECT_LT(d_plain, 1e-5);
+  EXPECT_LT(d_cached, 1e-5);
+  EXPECT_GT(off.replicas, 0) << "the plan placed no replica: nothing to cache";
+  EXPECT_EQ(off.cached, 0);
+  EXPECT_GT(on.cached, 0) << "no replica was kept while unused";
+  EXPECT_LT(on.gathered_bytes, off.gathered_bytes);
+  std::printf("rank %d: %lld layer forwards; replicas per layer forward %.2f; cache off: gathered %lld bytes, "
+              "max rel logit diff to ep %.2e; cache of 4: %.2f unused replicas held per layer forward, gathered "
+              "%lld bytes, diff %.2e\n",
+              world->rank(), static_cast<long long>(on.layer_steps), double(off.replicas) / off.layer_steps,
+              static_cast<long long>(off.gathered_bytes), d_plain, double(on.cached) / on.layer_steps,
+              static_cast<long long>(on.gathered_bytes), d_cached);
+}
+
+TEST(Engine, ReplicaCacheOnTwoRanks) {
+  const moe::ShellResult r = moe::run_shell(
+      "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+      "MOE_ENGINE_CHILD=1 OMP_NUM_THREADS=1 MOE_GEMM=onednn timeout -k 5 240 " +
+      std::string(MOE_MPIEXEC) + " -n 2 " + moe::self_exe("") +
+      " --gtest_color=no --gtest_filter=EngineChild.ReplicaCacheKeepsTheMathematicsAndGathersLess 2>&1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("rank ", 0) == 0) std::printf("%s\n", line.c_str());
 }
 
 TEST(Engine, RejectsRowsOutOfRange) {

@@ -60,6 +60,10 @@ void add_inference_options(CLI::App* c, serve::InferenceOptions* opt, int* ranks
   c->add_option("--schedule", opt->schedule,
                 "where experts run across ranks: ep, lina, lina-no-estimate, lina-no-phase2, or ideal (a balanced "
                 "gate: a latency reference, not text)");
+  c->add_option("--replica-cache", opt->replica_cache,
+                "lina schedules: replicas of other ranks' experts a rank keeps per MoE layer while unused, bought by "
+                "rent or buy (-1: as many as it owns; 0: only the current plan's)")
+      ->check(CLI::Range(-1, 1 << 20));
   c->add_option("--threads", opt->threads, "compute threads per rank (0: as moe train decides)");
   c->add_option("--gemm", opt->gemm, "GEMM kernel: onednn or openblas (default: the checkpoint's)");
   c->add_option("--comm-timeout", opt->comm_timeout_s, "seconds a collective may take before the job stops");

@@ -189,8 +189,15 @@ class MoeLayer {
   // ep_materialize of this layer runs (the runtime orders them: graph/ep_builder.h).
   void set_placement(const plan::LayerPlacement& p);
   const plan::LayerPlacement& placement() const { return placement_; }
+  // Inference with a cache of replicas (weights never change): tokens go where p says, and the
+  // replicas held now that p does not use stay held, receiving no rows (retain_replicas drops them);
+  // the next ep_materialize gathers only p's replicas not held. The same value on every rank.
+  // REQUIRES: placements enabled; p.validate() ok, p.owner == owners().owner (std::logic_error).
+  void set_inference_placement(const plan::LayerPlacement& p);
+  // The replicas materialized now: placement()'s and, after set_inference_placement, the cached ones.
+  const plan::LayerPlacement& held() const { return held_; }
   // Communication (ep group): replicas of placement() not held yet arrive from their owners (or from
-  // ranks that already got them). A no-op when nothing is missing.
+  // ranks that already got them); held() becomes held() + placement(). A no-op when nothing is missing.
   void ep_materialize();
   // Communication (ep group): every replica's weight gradient summed into its owner's (after
   // ep_experts_bwd). The replicas' own gradient buffers are left unspecified.

@@ -69,6 +69,14 @@ void MoeLayer::set_placement(const plan::LayerPlacement& p) {
   placement_ = p;
 }
 
+void MoeLayer::set_inference_placement(const plan::LayerPlacement& p) {
+  if (!gather_) throw std::logic_error("MoeLayer::set_inference_placement: REQUIRES enable_placements");
+  if (Status s = p.validate(); !s) throw std::logic_error("MoeLayer::set_inference_placement: " + s.message());
+  if (p.n_ranks != owners_.n_ranks || p.owner != owners_.owner)
+    throw std::logic_error("MoeLayer::set_inference_placement: REQUIRES the owners of this layer's shards");
+  placement_ = p;
+}
+
 void MoeLayer::ensure_replica_slots(int64_t slots) {
   if (slots <= slot_capacity_ && rw1_.numel() > 0) return;
   const int64_t C = cfg_.d_model, F = cfg_.d_ffn, used = static_cast<int64_t>(replica_expert_.size());
@@ -115,7 +123,16 @@ std::vector<float*> MoeLayer::chunk_pointers(bool grads) {
 void MoeLayer::ep_materialize() {
   if (!gather_) throw std::logic_error("MoeLayer::ep_materialize: REQUIRES enable_placements");
   sparse_peer_bytes_.assign(ep_->size(), 0);
-  if (held_.replicas == placement_.replicas) return;
+  // What is held afterwards: the placement, and the replicas held now that it does not use (none in
+  // training, where set_placement keeps every held replica; a cache in inference).
+  plan::LayerPlacement target = placement_;
+  for (int e = 0; e < target.n_experts(); ++e) {
+    std::vector<int> both;
+    std::set_union(held_.replicas[e].begin(), held_.replicas[e].end(), placement_.replicas[e].begin(),
+                   placement_.replicas[e].end(), std::back_inserter(both));
+    target.replicas[e] = std::move(both);
+  }
+  if (held_.replicas == target.replicas) return;
   const int me = ep_->rank(), R = ep_->size();
   const int W = cfg_.activation == Activation::swiglu ? 3 : 2;
   const int64_t FC = cfg_.d_ffn * cfg_.d_model;
@@ -139,14 +156,14 @@ void MoeLayer::ep_materialize() {
     replica_expert_.push_back(e);
   }
   const comm::SparsePlan plan = comm::plan_sparse_allgather(
-      chunk_placement(held_.replicas, W), chunk_placement(placement_.replicas, W), R, nodes_.node_of_rank);
+      chunk_placement(held_.replicas, W), chunk_placement(target.replicas, W), R, nodes_.node_of_rank);
   const std::vector<float*> chunks = chunk_pointers(false);
   throw_if_error(comm::sparse_allgather(*gather_, plan, chunks, FC));
   const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
   std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
-  held_ = placement_;
+  held_ = std::move(target);
 }
 
 void MoeLayer::ep_reduce_replica_grads() {

@@ -94,8 +94,10 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
 }
 
 LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners,
-                              const LinaCost* cost, const LayerPlacement* held) {
+                              const LinaCost* cost, const LayerPlacement* held, std::vector<double>* foregone) {
   const int E = owners.n_experts(), R = owners.n_ranks;
+  if (foregone && static_cast<int64_t>(foregone->size()) != static_cast<int64_t>(R) * E)
+    throw std::logic_error("lina_placement: foregone is not [R*E]");
   if (static_cast<int>(popularity.size()) != E) throw std::logic_error("lina_placement: popularity is not [E]");
   if (!owners.validate()) throw std::logic_error("lina_placement: " + owners.validate().message());
   if (held && (!held->validate() || held->n_experts() != E || held->n_ranks != R))
@@ -128,10 +130,14 @@ LayerPlacement lina_placement(const std::vector<double>& popularity, const Layer
       holders.insert(std::upper_bound(holders.begin(), holders.end(), best), best);
       if (cost) {
         const double move = held && held->holds(best, e) ? 0.0 : cost->move_seconds;
-        if (!(before - lina_busiest_seconds(p, popularity, *cost) > move)) {
+        const double saving = before - lina_busiest_seconds(p, popularity, *cost);
+        double* rent = foregone ? &(*foregone)[static_cast<size_t>(best) * E + e] : nullptr;
+        if (!(saving + (rent ? *rent : 0.0) > move)) {
+          if (rent && saving > 0) *rent += saving;
           holders.erase(std::find(holders.begin(), holders.end(), best));
           break;
         }
+        if (rent) *rent = 0;
       }
     }
   }

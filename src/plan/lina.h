@@ -84,10 +84,17 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
 // hold from earlier steps; null: none) already has it; the expert's remaining slots are then dropped.
 // Without a price every replica the slots ask for is gathered, whatever it saves: on small decode
 // batches that moved ~1 GB/s of weights for nothing (docs/serving.md).
+// foregone (optional, [R*E], rank-major, kept by the caller across steps): rent or buy, for callers
+// that keep a bought replica while later steps do not use it (serve::InferenceEngine's replica cache).
+// Such a replica serves every later step for free (inference weights never change), so one step's
+// saving undersells a move; foregone[r*E+e] sums the savings refused so far for e on r, and a move is
+// bought once this step's saving plus that sum exceeds it (the ski-rental rule: never more than twice
+// the cost of the best choice in hindsight). The sum is reset where the replica is bought.
 // REQUIRES: owners.validate() ok with no replicas beyond the owners; popularity [E]; held, if given,
-// a valid placement of the same experts and ranks.
+// a valid placement of the same experts and ranks; foregone, if given, of size R*E.
 LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners,
-                              const LinaCost* cost = nullptr, const LayerPlacement* held = nullptr);
+                              const LinaCost* cost = nullptr, const LayerPlacement* held = nullptr,
+                              std::vector<double>* foregone = nullptr);
 
 // The k experts with the highest value (ties to the lower index), ascending.
 std::vector<int> top_experts(const std::vector<double>& value, int64_t k);

@@ -114,16 +114,52 @@ void InferenceEngine::set_schedule(Schedule s, const plan::PathProfile* profile,
     if (b.moe && !b.moe->expert_parallel())
       throw std::logic_error("InferenceEngine::set_schedule: REQUIRES the model expert-parallel over world");
   world_ = world;
+  const size_t RE = static_cast<size_t>(world->size()) * static_cast<size_t>(cfg_.n_experts);
+  foregone_.assign(n_moe_, std::vector<double>(RE, 0.0));
+  last_used_.assign(n_moe_, std::vector<int64_t>(RE, -1));
   plan::Nodes nodes;
   nodes.node_of_rank.assign(world->size(), 0);
   model_.enable_placements(nodes, world);
 }
 
-void InferenceEngine::place(MoeLayer* moe, const plan::LayerPlacement& p) {
-  moe->retain_replicas(p);
-  moe->set_placement(p);
+plan::LayerPlacement InferenceEngine::plan_block(int64_t m, const MoeLayer& moe, const std::vector<double>& popularity) {
+  return plan::lina_placement(popularity, moe.owners(), cost_ ? &*cost_ : nullptr, &moe.held(),
+                              replica_cache_ > 0 ? &foregone_[m] : nullptr);
+}
+
+void InferenceEngine::place(int64_t m, MoeLayer* moe, const plan::LayerPlacement& p) {
+  const int R = p.n_ranks, E = p.n_experts();
+  if (replica_cache_ == 0) {
+    moe->retain_replicas(p);
+    moe->set_placement(p);
+  } else {
+    // Keep p's replicas held now and, per rank, the replica_cache_ most recently used others.
+    std::vector<int64_t>& last = last_used_[m];
+    for (int e = 0; e < E; ++e)
+      for (int r : p.replicas[e])
+        if (r != p.owner[e]) last[static_cast<size_t>(r) * E + e] = forwards_;
+    const plan::LayerPlacement& held = moe->held();
+    plan::LayerPlacement keep = p;
+    for (int r = 0; r < R; ++r) {
+      std::vector<int> unused;  // experts r holds as a replica that p does not put there
+      for (int e = 0; e < E; ++e)
+        if (held.holds(r, e) && held.owner[e] != r && !p.holds(r, e)) unused.push_back(e);
+      std::stable_sort(unused.begin(), unused.end(), [&](int a, int b) {
+        return last[static_cast<size_t>(r) * E + a] > last[static_cast<size_t>(r) * E + b];
+      });
+      if (static_cast<int>(unused.size()) > replica_cache_) unused.resize(replica_cache_);
+      for (int e : unused) {
+        std::vector<int>& holders = keep.replicas[e];
+        holders.insert(std::upper_bound(holders.begin(), holders.end(), r), r);
+      }
+    }
+    moe->retain_replicas(keep);
+    moe->set_inference_placement(p);
+  }
   moe->ep_materialize();
   for (const auto& holders : p.replicas) stats_.replicas += static_cast<int64_t>(holders.size()) - 1;
+  for (int e = 0; e < E; ++e)
+    stats_.cached += static_cast<int64_t>(moe->held().replicas[e].size() - p.replicas[e].size());
   stats_.gathered_bytes += moe->take_sparse_bytes();
 }
 
@@ -143,17 +179,17 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m, int64_t N)
       for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
     estimate_ = profile_->estimate(m, paths, K);
     if (Status s = world_->allreduce(estimate_.data(), E); !s) throw std::runtime_error(s.message());
-    plan::LayerPlacement p = plan::lina_placement(estimate_, moe->owners(), cost_ ? &*cost_ : nullptr, &moe->placement());
+    plan::LayerPlacement p = plan_block(m, *moe, estimate_);
     ++stats_.estimated;
-    return std::async(std::launch::async, [this, moe, p = std::move(p)] { place(moe, p); });
+    return std::async(std::launch::async, [this, m, moe, p = std::move(p)] { place(m, moe, p); });
   }
-  if (schedule_ == Schedule::lina_no_phase2) place(moe, moe->owners());
+  if (schedule_ == Schedule::lina_no_phase2) place(m, moe, moe->owners());
   return {};
 }
 
 // Lina's phase 2 around the gate (plan/lina.h), after phase 1's gather, then the exchange over the
 // placement they chose.
-void InferenceEngine::scheduled_moe(int64_t l, int64_t N, std::future<void>* phase1) {
+void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1) {
   MoeLayer* moe = blocks_[l].moe;
   const int64_t E = cfg_.n_experts, K = cfg_.top_k;
   ++stats_.layer_steps;
@@ -168,7 +204,7 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t N, std::future<void>* pha
   stats_.accurate += accurate;
   const bool replan = schedule_ == Schedule::lina_no_estimate || (schedule_ == Schedule::lina && !accurate);
   if (replan) {
-    place(moe, plan::lina_placement(actual, moe->owners(), cost_ ? &*cost_ : nullptr, &moe->placement()));
+    place(m, moe, plan_block(m, *moe, actual));
     stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
   }
   moe->ep_dispatch(&exchange_);
@@ -248,6 +284,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     for (int64_t i = 0; i < C; ++i) x[i] = te[i] + pe[i];
   }
   routes_.assign(N * n_moe_ * cfg_.top_k, 0);
+  ++forwards_;
   int64_t m = 0;  // MoE blocks passed
   for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
     const Block& b = blocks_[l];
@@ -269,7 +306,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     }
     // x = h + ffn(norm2(h)); the MoE layer is collective over the ranks, rows or not
     if (b.moe) {
-      if (world_) scheduled_moe(l, N, &phase1);
+      if (world_) scheduled_moe(l, m, N, &phase1);
       else b.moe->forward(tmp_.data(), ln_.data(), N);
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];

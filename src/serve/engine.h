@@ -57,6 +57,7 @@ struct ScheduleStats {
   int64_t replanned = 0;       // phase-2 re-plans
   int64_t replicas = 0;        // extra expert replicas placed (sum over layer forwards)
   int64_t gathered_bytes = 0;  // expert weights this rank sent and received for replicas
+  int64_t cached = 0;          // replicas held but unused by the plan (the replica cache), summed likewise
 };
 
 // Thread safety: none (one thread drives it; the kernels inside use OpenMP).
@@ -97,6 +98,14 @@ class InferenceEngine {
   // than its move. Unset, every replica the popularity asks for is gathered. The same on every rank.
   void set_lina_cost(const plan::LinaCost& cost) { cost_ = cost; }
   const std::optional<plan::LinaCost>& lina_cost() const { return cost_; }
+  // The replica cache of the lina schedules: a replica the plan stops using stays on its rank, up to
+  // `per_rank` such replicas per rank and MoE layer (the most recently used; each costs one expert's
+  // weights of memory), so a later plan that wants it again gathers nothing. With a cache, a priced
+  // plan buys a replica by rent or buy (plan::lina_placement's foregone): once the savings it refused
+  // for it pass its move. 0 (the default): only the plan's replicas are held, each priced against one
+  // step's saving. The same on every rank; call before the first forward.
+  void set_replica_cache(int per_rank) { replica_cache_ = per_rank < 0 ? 0 : per_rank; }
+  int replica_cache() const { return replica_cache_; }
   // Seconds to read one of this rank's experts' weights from memory: all of them read once, timed,
   // best of 3, over the experts read (0 when it holds none). For LinaCost::read_seconds.
   double measure_expert_read_seconds() const;
@@ -116,8 +125,13 @@ class InferenceEngine {
   // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
   // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
   std::future<void> start_phase1(int64_t l, int64_t m, int64_t N);
-  void scheduled_moe(int64_t l, int64_t N, std::future<void>* phase1);
-  void place(MoeLayer* moe, const plan::LayerPlacement& p);
+  void scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1);
+  // The placement for MoE block l (its m-th) from popularity (plan::lina_placement, priced when a cost
+  // is set), against the replicas held now; with the cache, rent or buy.
+  plan::LayerPlacement plan_block(int64_t m, const MoeLayer& moe, const std::vector<double>& popularity);
+  // Runs the next exchange of MoE block m over p: the replicas p lacks gathered, the others dropped or,
+  // with the cache, kept up to its size.
+  void place(int64_t m, MoeLayer* moe, const plan::LayerPlacement& p);
 
   Model& model_;
   ModelConfig cfg_;
@@ -144,6 +158,12 @@ class InferenceEngine {
   comm::Communicator* world_ = nullptr;
   std::optional<plan::LinaCost> cost_;
   std::vector<double> estimate_;  // phase 1's popularity estimate of the current MoE block ([E]; empty: none)
+  int replica_cache_ = 0;
+  int64_t forwards_ = 0;  // forward() calls: the clock of last_used_
+  // Per MoE block, [R*E] rank-major, the same on every rank: the replica savings the plans refused so
+  // far (rent or buy), and the forward in which each replica was last in a plan (the cache's order).
+  std::vector<std::vector<double>> foregone_;
+  std::vector<std::vector<int64_t>> last_used_;
   ScheduleStats stats_;
   TokenExchange exchange_;
 };

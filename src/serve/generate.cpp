@@ -58,11 +58,11 @@ Status lead_generation(const GenerateConfig& cfg, Lockstep& ranks, const ModelCo
   const ScheduleStats& st = ranks.engine().schedule_stats();
   if (ranks.engine().schedule() != Schedule::ep && st.layer_steps > 0)
     std::fprintf(stderr, "\nschedule %s: %lld MoE layer forwards, estimate accurate %lld of %lld, re-planned %lld, "
-                 "%.2f replicas per layer forward, %.1f MB of expert weights gathered on rank 0",
+                 "%.2f replicas per layer forward (%.2f more held unused), %.1f MB of expert weights gathered on rank 0",
                  schedule_name(ranks.engine().schedule()), static_cast<long long>(st.layer_steps),
                  static_cast<long long>(st.accurate), static_cast<long long>(st.estimated),
                  static_cast<long long>(st.replanned), static_cast<double>(st.replicas) / st.layer_steps,
-                 st.gathered_bytes / 1e6);
+                 static_cast<double>(st.cached) / st.layer_steps, st.gathered_bytes / 1e6);
   std::fprintf(stderr,
                "\ngenerate: %lld tokens in %.2f s: prompt %zu tokens (prefill %.1f ms), decode %.1f tokens/s%s; "
                "%d rank(s), gemm %s, %d thread(s) per rank\n",
@@ -88,7 +88,7 @@ Status run_generate(const GenerateConfig& cfg, std::FILE* out) {
     InferenceEngine engine(*job.model, 1, mc.seq_len);
     std::unique_ptr<plan::PathProfile> profile;
     const std::string corpus = job.state["config"].value("data", std::string());
-    if (Status s = start_schedule(engine, job.world.get(), cfg.run.schedule, corpus, &profile); !s) return job.fail(s);
+    if (Status s = start_schedule(engine, job.world.get(), cfg.run.schedule, corpus, cfg.run.replica_cache, &profile); !s) return job.fail(s);
     Lockstep ranks(engine, job.world.get());
     if (!ranks.lead()) return job.fail(ranks.follow());
     return job.fail(lead_generation(cfg, ranks, mc, out));

@@ -29,6 +29,8 @@ struct InferenceOptions {
   int threads = 0;              // compute threads per rank (0: as moe train decides)
   std::string gemm;             // "onednn" | "openblas"; empty: the checkpoint's kernel
   std::string schedule = "ep";  // where the experts run across ranks (engine.h Schedule)
+  int replica_cache = -1;       // lina schedules: unused replicas a rank keeps per MoE layer (-1: as many
+                                // experts as it owns; InferenceEngine::set_replica_cache)
   double comm_timeout_s = 60;
   Status validate() const;      // errors name the flag
 };

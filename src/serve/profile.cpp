@@ -78,7 +78,7 @@ Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, pla
 }
 
 Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const std::string& name,
-                      const std::string& corpus, std::unique_ptr<plan::PathProfile>* profile) {
+                      const std::string& corpus, int replica_cache, std::unique_ptr<plan::PathProfile>* profile) {
   Schedule s;
   if (!parse_schedule(name, &s))
     return Status::error("--schedule '" + name + "' is not ep, lina, lina-no-estimate, lina-no-phase2 or ideal");
@@ -91,9 +91,12 @@ Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const 
   plan::LinaCost cost;
   if (Status st = measure_lina_cost(engine, world, &cost); !st) return st;
   engine.set_lina_cost(cost);
+  engine.set_replica_cache(replica_cache >= 0 ? replica_cache
+                                              : static_cast<int>(engine.config().n_experts / world->size()));
   if (world->rank() == 0)
     std::fprintf(stderr, "lina cost (measured): a token through an expert %.2f us, an expert's weights read %.1f us, "
-                 "moved %.1f us\n", cost.token_seconds * 1e6, cost.read_seconds * 1e6, cost.move_seconds * 1e6);
+                 "moved %.1f us; replica cache %d per rank and MoE layer\n", cost.token_seconds * 1e6,
+                 cost.read_seconds * 1e6, cost.move_seconds * 1e6, engine.replica_cache());
   return Status::ok();
 }
 

@@ -32,7 +32,8 @@ Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, pla
 // must outlive the engine; every lina schedule then prices its replicas (measure_lina_cost, printed
 // by rank 0). Collective over world. Errors: an unknown name (listing the known ones),
 // profiling's errors.
+// replica_cache: InferenceEngine::set_replica_cache for the lina schedules (-1: the experts a rank owns).
 Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const std::string& name,
-                      const std::string& corpus, std::unique_ptr<plan::PathProfile>* profile);
+                      const std::string& corpus, int replica_cache, std::unique_ptr<plan::PathProfile>* profile);
 
 }  // namespace moe::serve

@@ -112,6 +112,9 @@ class Metrics {
     line("moe_schedule_replans_total", "counter", "Phase-2 re-plans after the gate.", static_cast<double>(schedule_.replanned));
     line("moe_schedule_replicas_total", "counter", "Extra expert replicas placed, summed over MoE layer forwards.",
          static_cast<double>(schedule_.replicas));
+    line("moe_schedule_cached_total", "counter",
+         "Replicas held but unused by the plan (the replica cache), summed over MoE layer forwards.",
+         static_cast<double>(schedule_.cached));
     line("moe_schedule_gathered_bytes_total", "counter", "Expert weight bytes rank 0 sent and received for replicas.",
          static_cast<double>(schedule_.gathered_bytes));
     summary(&out, "moe_request_latency_seconds", "Arrival to last token, completed requests.", latency_);
@@ -470,7 +473,7 @@ Status run_serve(const ServeConfig& cfg) {
     InferenceEngine engine(*job.model, cfg.slots_per_rank, job.max_rows);
     std::unique_ptr<plan::PathProfile> profile;
     const std::string corpus = job.state["config"].value("data", std::string());
-    if (Status s = start_schedule(engine, job.world.get(), cfg.run.schedule, corpus, &profile); !s) return job.fail(s);
+    if (Status s = start_schedule(engine, job.world.get(), cfg.run.schedule, corpus, cfg.run.replica_cache, &profile); !s) return job.fail(s);
     Lockstep ranks(engine, job.world.get());
     if (!ranks.lead()) return job.fail(ranks.follow());
 
