@@ -1,6 +1,7 @@
 // MoeLayer: composes the phases router -> layout -> dispatch -> experts -> combine (see moe_layer.h).
 #include "moe/moe_layer.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -229,10 +230,18 @@ void MoeLayer::ep_gate(const float* x, int64_t N) {
   stats_[E + 1] = static_cast<double>(N);
 }
 
-void MoeLayer::ep_gate_sync() {
+void MoeLayer::ep_gate_sync(std::vector<double>* sum_also) {
   const int64_t E = cfg_.n_experts, K = cfg_.top_k;
   throw_if_error(batch_->allgather(local_counts_.data(), K * E, all_counts_.data()));
-  throw_if_error(batch_->allreduce(stats_.data(), E + 2));
+  if (!sum_also || sum_also->empty()) {
+    throw_if_error(batch_->allreduce(stats_.data(), E + 2));
+    return;
+  }
+  std::vector<double> both(stats_.begin(), stats_.begin() + E + 2);
+  both.insert(both.end(), sum_also->begin(), sum_also->end());
+  throw_if_error(batch_->allreduce(both.data(), static_cast<int64_t>(both.size())));
+  std::copy_n(both.begin(), E + 2, stats_.begin());
+  std::copy(both.begin() + E + 2, both.end(), sum_also->begin());
 }
 
 void MoeLayer::ep_dispatch(TokenExchange* ex) {

@@ -129,7 +129,10 @@ class MoeLayer {
   // which the caller owns and passes to each (the same object through the step).
   // REQUIRES: expert_parallel().
   void ep_gate(const float* x /*[N,C]*/, int64_t N);  // router, local statistics (x kept until ep_gate_bwd)
-  void ep_gate_sync();                                // counts + statistics over the batch group
+  // Counts + statistics over the batch group. sum_also (optional): more values summed over the group
+  // in the statistics' allreduce, in place (the serving engine's next-layer popularity estimate rides
+  // along instead of a collective of its own).
+  void ep_gate_sync(std::vector<double>* sum_also = nullptr);
   // Global aux/z/capacity, layout, the exchange planned into *ex, rows packed.
   void ep_dispatch(TokenExchange* ex);
   void ep_dispatch_a2a(const TokenExchange& ex);       // the rows, to the experts' holders

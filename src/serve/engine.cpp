@@ -163,22 +163,22 @@ void InferenceEngine::place(int64_t m, MoeLayer* moe, const plan::LayerPlacement
   stats_.gathered_bytes += moe->take_sparse_bytes();
 }
 
-// Lina's phase 1 for MoE block l (its m-th), before the block's attention: the batch's popularity
-// estimated from the rows' paths through the earlier MoE blocks (an allreduce: every rank plans
-// alike), the placement, and its gather started on another thread so that the weights move while this
-// thread computes the attention (Lina moves experts behind computation). The placement's weights are
-// ready when the returned future is; estimate_ keeps the estimate for phase 2. No other thread uses
-// the ranks' communicator meanwhile: the attention does not communicate.
-std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m, int64_t N) {
+bool InferenceEngine::estimates() const {
+  return schedule_ == Schedule::lina || schedule_ == Schedule::lina_no_phase2;
+}
+
+// Lina's phase 1 for MoE block l (its m-th), before the block's attention: the batch's popularity as
+// estimated at the previous MoE block's gate (next_estimate_), the placement, and its gather started
+// on another thread so that the weights move while this thread computes the attention (Lina moves
+// experts behind computation). The placement's weights are ready when the returned future is;
+// estimate_ keeps the estimate for phase 2. No other thread uses the ranks' communicator meanwhile:
+// the attention does not communicate.
+std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
   MoeLayer* moe = blocks_[l].moe;
-  const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
   estimate_.clear();
-  if ((schedule_ == Schedule::lina || schedule_ == Schedule::lina_no_phase2) && m >= 1) {
-    std::vector<std::vector<int32_t>> paths(N);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
-    estimate_ = profile_->estimate(m, paths, K);
-    if (Status s = world_->allreduce(estimate_.data(), E); !s) throw std::runtime_error(s.message());
+  if (estimates() && m >= 1) {
+    estimate_ = std::move(next_estimate_);
+    next_estimate_.clear();
     plan::LayerPlacement p = plan_block(m, *moe, estimate_);
     ++stats_.estimated;
     return std::async(std::launch::async, [this, m, moe, p = std::move(p)] { place(m, moe, p); });
@@ -188,15 +188,27 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m, int64_t N)
 }
 
 // Lina's phase 2 around the gate (plan/lina.h), after phase 1's gather, then the exchange over the
-// placement they chose.
+// placement they chose. The gate's counts exchange also sums the next MoE block's estimate (Lina's
+// Eq. 1 over each rank's rows, their paths now known up to this block's first choices), so phase 1
+// of that block needs no collective of its own.
 void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1) {
   MoeLayer* moe = blocks_[l].moe;
-  const int64_t E = cfg_.n_experts, K = cfg_.top_k;
+  const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
   ++stats_.layer_steps;
   if (phase1->valid()) phase1->get();  // rethrows the gather's error
   const std::vector<double>& estimate = estimate_;
   moe->ep_gate(ln_.data(), N);
-  moe->ep_gate_sync();
+  next_estimate_.clear();
+  if (estimates() && m + 1 < n_moe_) {
+    const std::vector<int32_t>& first = moe->routing().expert;  // [N*K], this block's choices
+    std::vector<std::vector<int32_t>> paths(N);
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
+      paths[n].push_back(first[n * K]);
+    }
+    next_estimate_ = profile_->estimate(m + 1, paths, K);
+  }
+  moe->ep_gate_sync(&next_estimate_);
   std::vector<double> actual(E, 0.0);
   for (const auto& rank_counts : moe->routed_counts())
     for (int64_t e = 0; e < E; ++e) actual[e] += static_cast<double>(rank_counts[e]);
@@ -289,7 +301,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
   for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
     const Block& b = blocks_[l];
     std::future<void> phase1;  // Lina's gather for this block's MoE layer, behind its attention
-    if (b.moe && world_) phase1 = start_phase1(l, m, N);
+    if (b.moe && world_) phase1 = start_phase1(l, m);
     // h = x + proj(attention(qkv(norm1(x))))
     if (N > 0) {
       norm(ln_.data(), x_.data(), b.norm1_w, b.norm1_b, N);

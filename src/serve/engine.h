@@ -124,7 +124,8 @@ class InferenceEngine {
   void attention(int64_t l, std::span<const Row> rows);
   // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
   // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
-  std::future<void> start_phase1(int64_t l, int64_t m, int64_t N);
+  bool estimates() const;  // lina and lina_no_phase2: phase 1 plans from an estimate
+  std::future<void> start_phase1(int64_t l, int64_t m);
   void scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1);
   // The placement for MoE block l (its m-th) from popularity (plan::lina_placement, priced when a cost
   // is set), against the replicas held now; with the cache, rent or buy.
@@ -157,7 +158,8 @@ class InferenceEngine {
   const plan::PathProfile* profile_ = nullptr;
   comm::Communicator* world_ = nullptr;
   std::optional<plan::LinaCost> cost_;
-  std::vector<double> estimate_;  // phase 1's popularity estimate of the current MoE block ([E]; empty: none)
+  std::vector<double> estimate_;       // phase 1's popularity estimate of the current MoE block ([E]; empty: none)
+  std::vector<double> next_estimate_;  // the next MoE block's, summed over the ranks at this block's gate
   int replica_cache_ = 0;
   int64_t forwards_ = 0;  // forward() calls: the clock of last_used_
   // Per MoE block, [R*E] rank-major, the same on every rank: the replica savings the plans refused so
