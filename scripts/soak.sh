@@ -47,6 +47,9 @@ ref_s=$(elapsed "$t0")
 
 echo "soak: faulted run, a host killed 1-${max_wait} s after each start"
 faults=0 resumes=0 lost=0 attempt=0
+# An attempt killed before its first checkpoint makes no progress; where that happens (a job that starts
+# slowly: a sanitizer build, a loaded machine) the kill window doubles, so the run always ends.
+stretch=1
 t0=$(now)
 while :; do
   done_step=$(checkpoint_step "$work/run"); done_step=${done_step:-0}
@@ -58,7 +61,7 @@ while :; do
   log="$work/run.$attempt.log"
   "${cluster[@]}" run -- "$moe" "${train[@]}" --checkpoint-dir "$work/run" "${resume[@]}" >"$log" 2>&1 &
   job=$!
-  wait_ds=$((10 + RANDOM % (max_wait * 10 - 9)))  # tenths of a second: 1 s .. max_wait
+  wait_ds=$(((10 + RANDOM % (max_wait * 10 - 9)) * stretch))  # tenths of a second: 1 s .. max_wait, stretched
   for ((i = 0; i < wait_ds; ++i)); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$job" 2>/dev/null; then
     host="n$((faults % 2))"
@@ -68,6 +71,10 @@ while :; do
     reached=$(last_step "$log"); kept=$(checkpoint_step "$work/run"); kept=${kept:-0}
     (( reached > kept )) && lost=$((lost + reached - kept))
     echo "soak: fault $faults: killed $host after $((wait_ds / 10)).$((wait_ds % 10)) s (attempt from step $from reached step $reached; exit $status); the last checkpoint is at step $kept"
+    if (( kept == from && stretch < 64 )); then
+      stretch=$((stretch * 2))
+      echo "soak: no checkpoint since the last fault: the kill window is now ${stretch}x"
+    fi
     continue
   fi
   status=0; wait "$job" || status=$?
