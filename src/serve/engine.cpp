@@ -181,6 +181,16 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
     next_estimate_.clear();
     plan::LayerPlacement p = plan_block(m, *moe, estimate_);
     ++stats_.estimated;
+    // A plan whose replicas are all held moves nothing: placed here, without a thread (a decode step
+    // of a few rows takes about a millisecond, and a thread's start and join cost a good part of it).
+    bool gathers = false;
+    for (int e = 0; e < p.n_experts() && !gathers; ++e)
+      gathers = !std::includes(moe->held().replicas[e].begin(), moe->held().replicas[e].end(),
+                               p.replicas[e].begin(), p.replicas[e].end());
+    if (!gathers) {
+      place(m, moe, p);
+      return {};
+    }
     return std::async(std::launch::async, [this, m, moe, p = std::move(p)] { place(m, moe, p); });
   }
   if (schedule_ == Schedule::lina_no_phase2) place(m, moe, moe->owners());
