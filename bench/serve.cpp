@@ -59,7 +59,6 @@ namespace moe::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-const char* const kMpiEnv = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
 
 struct Prompt {
   std::string text;
@@ -183,7 +182,7 @@ std::string bench_checkpoint(const ScratchDir& scratch) {
   const std::string checkpoint = (scratch.path() / "ck").string();
   std::fprintf(stderr, "bench serve: training the default model (%s) for 200 steps on 2 ranks "
                        "(set MOE_BENCH_CHECKPOINT to skip)\n", kHotExperts);
-  const std::string cmd = std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 200 " + kHotExperts +
+  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 200 " + kHotExperts +
                           " --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " + checkpoint + " >&2";
   if (std::system(cmd.c_str()) != 0) {
     std::fprintf(stderr, "bench serve: training failed\n");
@@ -374,7 +373,7 @@ int serve(const BenchOptions& opt) {
   const ScratchDir scratch("moe_bench_serve_");
   const std::string checkpoint = bench_checkpoint(scratch);
   if (checkpoint.empty()) return 1;
-  const Place local{"serve", "2 local ranks", std::string(kMpiEnv) + "mpirun -n 2 " + self_exe("moe"), "127.0.0.1",
+  const Place local{"serve", "2 local ranks", std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe"), "127.0.0.1",
                     "127.0.0.1"};
   return serve_on(local, opt, scratch, checkpoint);
 }

@@ -20,6 +20,7 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
+#include "util/shell.h"
 
 namespace moe::comm {
 namespace {
@@ -36,8 +37,7 @@ struct JobResult {
 // (exit code 124 then).
 JobResult run_job(const std::string& which, int ranks, int bound_s) {
   std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::string cmd = "MOE_COMM_HELPER=" + which +
-                    " OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1"
+  std::string cmd = std::string(moe::kMpirunEnv) + "MOE_COMM_HELPER=" + which +
                     " timeout -k 5 " + std::to_string(bound_s) + " " + MOE_MPIEXEC + " -n " + std::to_string(ranks) +
                     " " + self + " --gtest_filter=CommFailureHelper.Run --gtest_color=no 2>&1";
   JobResult r;

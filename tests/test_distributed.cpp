@@ -32,8 +32,7 @@ using TrainRun = moe::ShellResult;
 
 // Runs `moe train ARGS` on `ranks` MPI ranks (ranks == 0: no mpirun at all), bounded in time.
 TrainRun train(int ranks, const std::string& args, const std::string& extra_env = "") {
-  std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 " +
-                    extra_env + " ";
+  std::string env = std::string(moe::kMpirunEnv) + extra_env + " ";
   std::string launch = ranks > 0 ? std::string(MOE_MPIEXEC) + " -n " + std::to_string(ranks) + " " : "";
   return run_shell(env + "timeout -k 5 240 " + launch + MOE_BIN + " train " + args);
 }
@@ -282,8 +281,7 @@ TEST_F(Distributed, ReplicatedExpertsGiveTheSameMath) {
 TEST_F(Distributed, RanksThatDisagreeStopSayingWhatDiffers) {
   // rank0, rank1: each rank's program and arguments (with mpirun options before them)
   auto mpmd = [&](const std::string& rank0, const std::string& rank1) {
-    std::string env = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                      "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 ";
+    std::string env = std::string(moe::kMpirunEnv) + "timeout -k 5 120 ";
     return run_shell(env + MOE_MPIEXEC + " -n 1 " + rank0 + " : -n 1 " + rank1);
   };
   const std::string base = model_flags() + "--steps 2 ";

@@ -199,8 +199,7 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
 
 TEST(Engine, ReplicaCacheOnTwoRanks) {
   const moe::ShellResult r = moe::run_shell(
-      "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
-      "MOE_ENGINE_CHILD=1 OMP_NUM_THREADS=1 MOE_GEMM=onednn timeout -k 5 240 " +
+      std::string(moe::kMpirunEnv) + "MOE_ENGINE_CHILD=1 OMP_NUM_THREADS=1 MOE_GEMM=onednn timeout -k 5 240 " +
       std::string(MOE_MPIEXEC) + " -n 2 " + moe::self_exe("") +
       " --gtest_color=no --gtest_filter=EngineChild.ReplicaCacheKeepsTheMathematicsAndGathersLess 2>&1");
   EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -24,8 +24,7 @@ using moe::run_shell;
 using moe::ShellResult;
 
 ShellResult run(const std::string& cmd) {
-  return run_shell("env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                   "OMPI_MCA_rmaps_base_oversubscribe=1 timeout -k 5 120 " + cmd);
+  return run_shell(std::string(moe::kMpirunEnv) + "timeout -k 5 120 " + cmd);
 }
 
 class SimCli : public ::testing::Test {

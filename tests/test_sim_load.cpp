@@ -222,8 +222,7 @@ TEST(SimLoad, RecordedLoadGivesTheRealRunsExchangeBytes) {
   fs::create_directories(dir);
   const fs::path metrics = dir / "m.jsonl", trace = dir / "t.json";
   const std::string cmd =
-      "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
-      "timeout -k 5 120 " MOE_BIN " train --ranks 2 --data " MOE_TEST_DIR "/../docs/model.md "
+      std::string(moe::kMpirunEnv) + "timeout -k 5 120 " MOE_BIN " train --ranks 2 --data " MOE_TEST_DIR "/../docs/model.md "
       "--seq-len 16 --d-model 16 --layers 2 --heads 2 --d-ffn 32 --experts 4 --top-k 2 --batch-size 8 "
       "--router-skew 1.0 --steps 3 --trace-steps 3 --eval-batches 1 --threads 1 --metrics " +
       metrics.string() + " --trace " + trace.string();

@@ -173,8 +173,7 @@ class ToyStrategy : public ::testing::Test {
   // MOE_GEMM pins the kernel: each run otherwise times oneDNN against OpenBLAS on these tiny shapes, a
   // noisy near-tie that two runs can decide differently, and the two kernels round differently (a CI run
   // compared mirror-hot-2chunk with mirror-hot across such a split and saw the last bits differ).
-  inline static const std::string kEnv = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-                                         "OMPI_MCA_rmaps_base_oversubscribe=1 MOE_GEMM=onednn ";
+  inline static const std::string kEnv = std::string(moe::kMpirunEnv) + "MOE_GEMM=onednn ";
   inline static const std::string kMpirun = std::string(MOE_MPIEXEC) + " -n 2 ";
   fs::path dir_;
 };

@@ -13,6 +13,11 @@ struct ShellResult {
   std::string output;  // its stdout and stderr together, in the order written
 };
 
+// Put before a command that starts mpirun: lets Open MPI run as root and start more ranks than cores
+// (other MPIs ignore these variables). Ends with a space.
+inline constexpr const char* kMpirunEnv =
+    "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 ";
+
 // Runs `command` (any shell syntax: it runs as `(command) 2>&1`) and waits for it. Blocks; no timeout
 // of its own (put `timeout` in the command).
 ShellResult run_shell(const std::string& command);
