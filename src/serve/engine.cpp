@@ -168,11 +168,13 @@ bool InferenceEngine::estimates() const {
 }
 
 // Lina's phase 1 for MoE block l (its m-th), before the block's attention: the batch's popularity as
-// estimated at the previous MoE block's gate (next_estimate_), the placement, and its gather started
-// on another thread so that the weights move while this thread computes the attention (Lina moves
-// experts behind computation). The placement's weights are ready when the returned future is;
-// estimate_ keeps the estimate for phase 2. No other thread uses the ranks' communicator meanwhile:
-// the attention does not communicate.
+// estimated at the previous MoE block's gate (next_estimate_) and the placement. A placement that
+// gathers weights is started on another thread so that they move while this thread computes the
+// attention (Lina moves experts behind computation); its weights are ready when the returned future
+// is. One within the held replicas is placed here (a decode step of a few rows takes about a
+// millisecond, and a thread's start and join cost a good part of it). estimate_ keeps the estimate
+// for phase 2. No other thread uses the ranks' communicator meanwhile: the attention does not
+// communicate.
 std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
   MoeLayer* moe = blocks_[l].moe;
   estimate_.clear();
@@ -181,8 +183,6 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
     next_estimate_.clear();
     plan::LayerPlacement p = plan_block(m, *moe, estimate_);
     ++stats_.estimated;
-    // A plan whose replicas are all held moves nothing: placed here, without a thread (a decode step
-    // of a few rows takes about a millisecond, and a thread's start and join cost a good part of it).
     bool gathers = false;
     for (int e = 0; e < p.n_experts() && !gathers; ++e)
       gathers = !std::includes(moe->held().replicas[e].begin(), moe->held().replicas[e].end(),
