@@ -177,7 +177,19 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
     if (stats) *stats = engine.schedule_stats();
     return all;
   };
-  const std::vector<float> ep = run(moe::serve::Schedule::ep, 0, nullptr);
+  moe::serve::ScheduleStats ep_stats, ideal_stats;
+  const std::vector<float> ep = run(moe::serve::Schedule::ep, 0, &ep_stats);
+  (void)run(moe::serve::Schedule::ideal, 0, &ideal_stats);
+  // The ranks' expert rows, closed form: each rank's B rows x K choices are the mean (nothing is
+  // dropped), in every one of the 3 MoE layers' forwards; the balanced gate spreads each rank's 12
+  // choices 3 per expert, so both ranks run 2 experts x 3 x 2 sources = 12 rows: busiest = mean.
+  const int64_t layer_forwards = kBatches * cfg.n_layers;
+  for (const moe::serve::ScheduleStats* st : {&ep_stats, &ideal_stats}) {
+    EXPECT_EQ(st->layer_steps, layer_forwards);
+    EXPECT_DOUBLE_EQ(st->mean_rank_rows, static_cast<double>(layer_forwards * B * cfg.top_k));
+  }
+  EXPECT_EQ(ideal_stats.busiest_rank_rows, layer_forwards * B * cfg.top_k);
+  EXPECT_GT(ep_stats.busiest_rank_rows, ep_stats.mean_rank_rows) << "ep left the ranks' loads even: nothing to balance";
   moe::serve::ScheduleStats off, on;
   const std::vector<float> plain = run(moe::serve::Schedule::lina_no_estimate, 0, &off);
   const std::vector<float> cached = run(moe::serve::Schedule::lina_no_estimate, 4, &on);
@@ -191,10 +203,11 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
   EXPECT_LT(on.gathered_bytes, off.gathered_bytes);
   std::printf("rank %d: %lld layer forwards; replicas per layer forward %.2f; cache off: gathered %lld bytes, "
               "max rel logit diff to ep %.2e; cache of 4: %.2f unused replicas held per layer forward, gathered "
-              "%lld bytes, diff %.2e\n",
+              "%lld bytes, diff %.2e; busiest rank's expert rows / mean: ep %.2f, cache off %.2f, on %.2f\n",
               world->rank(), static_cast<long long>(on.layer_steps), double(off.replicas) / off.layer_steps,
               static_cast<long long>(off.gathered_bytes), d_plain, double(on.cached) / on.layer_steps,
-              static_cast<long long>(on.gathered_bytes), d_cached);
+              static_cast<long long>(on.gathered_bytes), d_cached, ep_stats.busiest_rank_rows / ep_stats.mean_rank_rows,
+              off.busiest_rank_rows / off.mean_rank_rows, on.busiest_rank_rows / on.mean_rank_rows);
 }
 
 TEST(Engine, ReplicaCacheOnTwoRanks) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <future>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -181,6 +182,7 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
   if (estimates() && m >= 1) {
     estimate_ = std::move(next_estimate_);
     next_estimate_.clear();
+    if (replica_cache_ > 0) foregone_before_phase1_ = foregone_[m];
     plan::LayerPlacement p = plan_block(m, *moe, estimate_);
     ++stats_.estimated;
     bool gathers = false;
@@ -204,7 +206,6 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
 void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1) {
   MoeLayer* moe = blocks_[l].moe;
   const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
-  ++stats_.layer_steps;
   if (phase1->valid()) phase1->get();  // rethrows the gather's error
   const std::vector<double>& estimate = estimate_;
   moe->ep_gate(ln_.data(), N);
@@ -226,6 +227,8 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   stats_.accurate += accurate;
   const bool replan = schedule_ == Schedule::lina_no_estimate || (schedule_ == Schedule::lina && !accurate);
   if (replan) {
+    // Rent or buy counts one plan per forward: this one, not also the wrong estimate's before it.
+    if (replica_cache_ > 0 && !estimate.empty()) foregone_[m] = foregone_before_phase1_;
     place(m, moe, plan_block(m, *moe, actual));
     stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
   }
@@ -234,6 +237,19 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   moe->ep_experts(&exchange_);
   moe->ep_combine_a2a(exchange_);
   moe->ep_combine(exchange_, tmp_.data());
+}
+
+// The rows every rank's experts ran in this layer forward, from the gate's counts (the same on every
+// rank) and the placement the exchange used, as plan::dispatch_plan routes them.
+void InferenceEngine::count_rank_rows(const MoeLayer& moe) {
+  const std::vector<std::vector<int64_t>> counts = moe.routed_counts();
+  plan::Nodes one_node;
+  one_node.node_of_rank.assign(counts.size(), 0);
+  const std::vector<int64_t> rows = plan::received_tokens(plan::dispatch_plan(moe.placement(), one_node, counts));
+  ++stats_.layer_steps;
+  stats_.busiest_rank_rows += *std::max_element(rows.begin(), rows.end());
+  stats_.mean_rank_rows += static_cast<double>(std::accumulate(rows.begin(), rows.end(), int64_t{0})) /
+                           static_cast<double>(rows.size());
 }
 
 InferenceEngine::~InferenceEngine() = default;
@@ -330,6 +346,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     if (b.moe) {
       if (world_) scheduled_moe(l, m, N, &phase1);
       else b.moe->forward(tmp_.data(), ln_.data(), N);
+      if (b.moe->expert_parallel()) count_rank_rows(*b.moe);
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];
       for (int64_t n = 0; n < N; ++n)

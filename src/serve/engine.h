@@ -51,13 +51,18 @@ bool parse_schedule(const std::string& name, Schedule* out);
 
 // What the scheduling did, summed over MoE layers and forwards (the same on every rank).
 struct ScheduleStats {
-  int64_t layer_steps = 0;     // MoE layer forwards
+  int64_t layer_steps = 0;     // MoE layer forwards over several ranks
   int64_t estimated = 0;       // ... with a phase-1 estimate
   int64_t accurate = 0;        // ... whose estimate had the real top-k experts (Lina's accuracy)
   int64_t replanned = 0;       // phase-2 re-plans
   int64_t replicas = 0;        // extra expert replicas placed (sum over layer forwards)
   int64_t gathered_bytes = 0;  // expert weights this rank sent and received for replicas
   int64_t cached = 0;          // replicas held but unused by the plan (the replica cache), summed likewise
+  // Expert rows (token assignments) the busiest rank ran and the mean over the ranks, summed over
+  // MoE layer forwards of every schedule (ep's too): busiest / mean is the load imbalance a
+  // schedule leaves, the step's critical path Lina's replicas shorten.
+  int64_t busiest_rank_rows = 0;
+  double mean_rank_rows = 0;
 };
 
 // Thread safety: none (one thread drives it; the kernels inside use OpenMP).
@@ -122,6 +127,7 @@ class InferenceEngine {
  private:
   struct Block;  // one transformer block's weights (pointers into the model)
   void attention(int64_t l, std::span<const Row> rows);
+  void count_rank_rows(const MoeLayer& moe);
   // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
   // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
   bool estimates() const;  // lina and lina_no_phase2: phase 1 plans from an estimate
@@ -166,6 +172,9 @@ class InferenceEngine {
   // far (rent or buy), and the forward in which each replica was last in a plan (the cache's order).
   std::vector<std::vector<double>> foregone_;
   std::vector<std::vector<int64_t>> last_used_;
+  // foregone_[m] as it was before phase 1 planned the current MoE block: a phase-2 re-plan replaces
+  // phase 1's plan, so it prices from here and the savings refused on a wrong estimate do not count.
+  std::vector<double> foregone_before_phase1_;
   ScheduleStats stats_;
   TokenExchange exchange_;
 };

@@ -58,11 +58,12 @@ Status lead_generation(const GenerateConfig& cfg, Lockstep& ranks, const ModelCo
   const ScheduleStats& st = ranks.engine().schedule_stats();
   if (ranks.engine().schedule() != Schedule::ep && st.layer_steps > 0)
     std::fprintf(stderr, "\nschedule %s: %lld MoE layer forwards, estimate accurate %lld of %lld, re-planned %lld, "
-                 "%.2f replicas per layer forward (%.2f more held unused), %.1f MB of expert weights gathered on rank 0",
+                 "%.2f replicas per layer forward (%.2f more held unused), %.1f MB of expert weights gathered on rank 0, busiest rank's expert rows %.2fx the mean",
                  schedule_name(ranks.engine().schedule()), static_cast<long long>(st.layer_steps),
                  static_cast<long long>(st.accurate), static_cast<long long>(st.estimated),
                  static_cast<long long>(st.replanned), static_cast<double>(st.replicas) / st.layer_steps,
-                 static_cast<double>(st.cached) / st.layer_steps, st.gathered_bytes / 1e6);
+                 static_cast<double>(st.cached) / st.layer_steps, st.gathered_bytes / 1e6,
+                 st.mean_rank_rows > 0 ? st.busiest_rank_rows / st.mean_rank_rows : 1.0);
   std::fprintf(stderr,
                "\ngenerate: %lld tokens in %.2f s: prompt %zu tokens (prefill %.1f ms), decode %.1f tokens/s%s; "
                "%d rank(s), gemm %s, %d thread(s) per rank\n",

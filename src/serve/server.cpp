@@ -115,6 +115,11 @@ class Metrics {
     line("moe_schedule_cached_total", "counter",
          "Replicas held but unused by the plan (the replica cache), summed over MoE layer forwards.",
          static_cast<double>(schedule_.cached));
+    line("moe_expert_rows_busiest_rank_total", "counter",
+         "Expert rows the busiest rank ran, summed over MoE layer forwards (over the mean's: the load imbalance).",
+         static_cast<double>(schedule_.busiest_rank_rows));
+    line("moe_expert_rows_mean_rank_total", "counter", "Expert rows per rank on average, summed likewise.",
+         schedule_.mean_rank_rows);
     line("moe_schedule_gathered_bytes_total", "counter", "Expert weight bytes rank 0 sent and received for replicas.",
          static_cast<double>(schedule_.gathered_bytes));
     summary(&out, "moe_request_latency_seconds", "Arrival to last token, completed requests.", latency_);
