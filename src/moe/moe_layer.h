@@ -120,6 +120,8 @@ class MoeLayer {
   // built over params(); the groups outlive the layer.
   void set_expert_parallel(comm::Communicator* ep, comm::Communicator* batch = nullptr);
   bool expert_parallel() const { return ep_ != nullptr; }
+  // The exchange forward()'s expert-parallel path used last (its rows per source, expert, holder).
+  const TokenExchange& forward_exchange() const { return own_exchange_; }
 
   // The expert-parallel forward and backward phase by phase, for the runtime (src/graph: one graph
   // op each). forward()/backward() run them in this order; a caller running them itself must too.

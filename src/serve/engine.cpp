@@ -239,13 +239,10 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   moe->ep_combine(exchange_, tmp_.data());
 }
 
-// The rows every rank's experts ran in this layer forward, from the gate's counts (the same on every
-// rank) and the placement the exchange used, as plan::dispatch_plan routes them.
-void InferenceEngine::count_rank_rows(const MoeLayer& moe) {
-  const std::vector<std::vector<int64_t>> counts = moe.routed_counts();
-  plan::Nodes one_node;
-  one_node.node_of_rank.assign(counts.size(), 0);
-  const std::vector<int64_t> rows = plan::received_tokens(plan::dispatch_plan(moe.placement(), one_node, counts));
+// The rows every rank's experts ran in the MoE layer forward that used `ex` (its dispatch plan is
+// every rank's, the same on each).
+void InferenceEngine::count_rank_rows(const TokenExchange& ex) {
+  const std::vector<int64_t> rows = plan::received_tokens(ex.rows);
   ++stats_.layer_steps;
   stats_.busiest_rank_rows += *std::max_element(rows.begin(), rows.end());
   stats_.mean_rank_rows += static_cast<double>(std::accumulate(rows.begin(), rows.end(), int64_t{0})) /
@@ -346,7 +343,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     if (b.moe) {
       if (world_) scheduled_moe(l, m, N, &phase1);
       else b.moe->forward(tmp_.data(), ln_.data(), N);
-      if (b.moe->expert_parallel()) count_rank_rows(*b.moe);
+      if (b.moe->expert_parallel()) count_rank_rows(world_ ? exchange_ : b.moe->forward_exchange());
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];
       for (int64_t n = 0; n < N; ++n)

@@ -127,7 +127,7 @@ class InferenceEngine {
  private:
   struct Block;  // one transformer block's weights (pointers into the model)
   void attention(int64_t l, std::span<const Row> rows);
-  void count_rank_rows(const MoeLayer& moe);
+  void count_rank_rows(const TokenExchange& ex);
   // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
   // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
   bool estimates() const;  // lina and lina_no_phase2: phase 1 plans from an estimate
