@@ -8,6 +8,9 @@
 // all alike. Columns, medians over the rounds of each run's median over its steps after the warm-up:
 //   step ms      the runtime's step_ms (rank 0): the step's wall time, optimizer included
 //   vs ep        step ms / ep's step ms in the same configuration (below 1: faster than ep)
+//   vs ep rounds the same ratio round by round (each run against ep's run of its own round, minutes
+//                apart, so a slow spell of the machine weighs on both): lowest and highest, and in how
+//                many rounds the strategy was faster than ep (all n: the sign test's p = 2^-n)
 //   exposed ms   communication the compute stream waited for (mean over ranks)
 //   sparse MB    bytes the sparse collectives moved per step (gathers of replicas, their gradients;
 //                sent + received, all ranks)
@@ -18,12 +21,15 @@
 //                configured cap, each run's own recorded loads replayed, the same strategy object
 //   sim err      predicted / measured step graph time (compute + exposed communication, which the
 //                simulator models; the optimizer is in neither) - 1
+// --only TEXT: only the configurations whose name (2x1-1gbit-skew1.5, 2x2-10gbit-skew0, ...) contains
+// TEXT, e.g. more rounds of one of them in the same time.
 // --report FILE: per configuration, the last round's metrics of every strategy drawn on one moe report
 // page, FILE's name with the configuration inserted before its extension (report-2x1-1gbit-skew1.5.html).
 // All hosts of the emulation share this machine's cores; with 2 ranks per host, 4 ranks take turns on
 // them, and the table's header says how many cores there are.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -119,11 +125,20 @@ int cluster_strategies(const BenchOptions& opt) {
     const char* nic;
     double nic_bits;
     double skew;
+    std::string name() const { return str_cat("2x", ranks_per_host, "-", nic, "-skew", skew); }
   };
   std::vector<Config> configs;
   for (int rph : {1, 2})
     for (auto [nic, bits] : {std::pair{"1gbit", 1e9}, std::pair{"10gbit", 1e10}})
-      for (double skew : {1.5, 0.0}) configs.push_back({rph, nic, bits, skew});
+      for (double skew : {1.5, 0.0}) {
+        const Config cf{rph, nic, bits, skew};
+        if (cf.name().find(opt.only) != std::string::npos) configs.push_back(cf);
+      }
+  if (configs.empty()) {
+    std::fprintf(stderr, "moe bench cluster-strategies: no configuration's name contains '%s' (names: 2x1-1gbit-skew1.5, "
+                 "2x1-1gbit-skew0, ..., 2x2-10gbit-skew0)\n", opt.only.c_str());
+    return 2;
+  }
 
   Report report("cluster-strategies",
                 str_cat("every strategy on an emulated cluster: moe train, default model and corpus, --threads 1, ",
@@ -171,8 +186,9 @@ int cluster_strategies(const BenchOptions& opt) {
     sim::ClusterSpec spec;
     const Status spec_status = sim::two_node_cluster(cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, &spec);
     report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", router skew ", cf.skew),
-                 {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"}, {"exposed comm", "ms", 1},
-                  {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0}, {"sim step graph", "ms", 0},
+                 {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},
+                  {"step / ep rounds min", "x"}, {"step / ep rounds max", "x"}, {"rounds faster than ep", "", 0},
+                  {"exposed comm", "ms", 1}, {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0}, {"sim step graph", "ms", 0},
                   {"sim / measured step graph - 1", "%", 0}});
     const double nan = std::nan("");
     auto med = [&](size_t s, double Run::*field) {
@@ -184,9 +200,15 @@ int cluster_strategies(const BenchOptions& opt) {
     const double ep_step = med(0, &Run::step_ms);
     for (size_t s = 0; s < strategies.size(); ++s) {
       if (med(s, &Run::step_ms) == 0) {
-        report.row({strategies[s] + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan});
+        report.row({strategies[s] + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan});
         continue;
       }
+      std::vector<double> paired;  // this strategy's step over ep's, round by round
+      for (int r = 0; r < rounds; ++r)
+        if (runs[c][s][r].ok && runs[c][0][r].ok) paired.push_back(runs[c][s][r].step_ms / runs[c][0][r].step_ms);
+      const auto faster = std::count_if(paired.begin(), paired.end(), [](double x) { return x < 1; });
+      const double paired_min = paired.empty() ? nan : *std::min_element(paired.begin(), paired.end());
+      const double paired_max = paired.empty() ? nan : *std::max_element(paired.begin(), paired.end());
       std::vector<double> pred;
       const std::string name = strategies[s].substr(0, strategies[s].find(' '));
       const int reshard_every = strategies[s].find("--reshard-every 5") != std::string::npos ? 5 : -1;
@@ -196,7 +218,7 @@ int cluster_strategies(const BenchOptions& opt) {
       }
       const double p = median(pred), g = med(s, &Run::graph_ms);
       report.row({strategies[s], med(s, &Run::step_ms), ep_step > 0 ? med(s, &Run::step_ms) / ep_step : nan,
-                  med(s, &Run::exposed_ms), med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
+                  paired_min, paired_max, static_cast<int64_t>(faster), med(s, &Run::exposed_ms), med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
                   p > 0 ? p : nan, p > 0 && g > 0 ? 100 * (p / g - 1) : nan});
     }
   }
@@ -204,7 +226,7 @@ int cluster_strategies(const BenchOptions& opt) {
     for (size_t c = 0; c < configs.size(); ++c) {
       const Config& cf = configs[c];
       const fs::path html(opt.html);
-      const std::string name = str_cat("2x", cf.ranks_per_host, "-", cf.nic, "-skew", cf.skew);
+      const std::string name = cf.name();
       std::vector<std::string> files, labels;
       for (size_t s = 0; s < strategies.size(); ++s)
         if (runs[c][s].back().ok) files.push_back(runs[c][s].back().metrics), labels.push_back(strategies[s]);

@@ -21,6 +21,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   c->add_option("--report", f->html,
                 "strategies, cluster-strategies: also write their runs' metrics as one moe report HTML page to FILE "
                 "(cluster-strategies: one page per configuration, FILE's name with the configuration inserted)");
+  c->add_option("--only", f->only,
+                "cluster-strategies: only the configurations whose name contains TEXT (names such as 2x1-1gbit-skew1.5, "
+                "2x2-10gbit-skew0)");
   return c;
 }
 
@@ -30,7 +33,11 @@ int run_bench(const BenchFlags& f) {
                  f.name.c_str());
     return 2;
   }
-  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html};
+  if (!f.only.empty() && f.name != "cluster-strategies") {
+    std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies\n", f.name.c_str());
+    return 2;
+  }
+  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html, f.only};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
   if (f.name == "collectives") return bench::collectives(opt);

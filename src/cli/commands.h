@@ -52,6 +52,7 @@ struct BenchFlags {
   bool skip_torch = false;
   bool json = false;
   std::string html;  // --report FILE (strategies, cluster-strategies)
+  std::string only;  // --only TEXT (cluster-strategies)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
