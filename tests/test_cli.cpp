@@ -1,6 +1,7 @@
 // `moe train` end to end through the real binary: bad input gets one clear message and a non-zero
 // exit with nothing written; a tiny run trains; resume gives exactly the run that never stopped.
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tensor/ops.h"
 #include "util/shell.h"
 
 namespace fs = std::filesystem;
@@ -151,7 +153,8 @@ TEST_F(CliTest, ResumeUsesTheCheckpointsGemmKernel) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   Result resumed = run_moe("train " + tiny() + "--steps 4 --resume " + (dir_ / "ck").string());
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("gemm: openblas (as in checkpoint"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("gemm: openblas/"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("(as in checkpoint"), std::string::npos) << resumed.output;
 }
 
 TEST_F(CliTest, UnknownGemmKernelRejected) { expect_rejected(tiny() + "--gemm cublas --steps 2", "gemm 'cublas'"); }
@@ -161,11 +164,23 @@ TEST_F(CliTest, GemmFlagPinsTheKernelAndOverridesTheCheckpoints) {
   Result first = run_moe("train " + tiny() + "--steps 4 --stop-at-step 2 --gemm openblas --checkpoint-dir " +
                          (dir_ / "ck").string() + " --metrics " + (dir_ / "m.jsonl").string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  EXPECT_NE(first.output.find("gemm: openblas (--gemm openblas)"), std::string::npos) << first.output;
+  const size_t at = first.output.find("gemm: openblas/");
+  ASSERT_NE(at, std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("(--gemm openblas)", at), std::string::npos) << first.output;
   EXPECT_NE(read_file(dir_ / "m.jsonl").find("\"gemm\":\"openblas\""), std::string::npos);
+  // The line names OpenBLAS's kernel; where OpenBLAS would fall back to an older one than this CPU
+  // runs, moe re-ran itself with the kernel of the CPU's instruction set (tensor/ops.h).
+  const size_t core_at = at + std::string("gemm: openblas/").size();
+  const std::string core = first.output.substr(core_at, first.output.find(' ', core_at) - core_at);
+  std::printf("OpenBLAS kernel: %s\n", core.c_str());
+  if (!std::getenv("OPENBLAS_CORETYPE")) {
+    EXPECT_EQ(moe::openblas_core_for_this_cpu(core), "")
+        << "OpenBLAS runs " << core << ", older than this CPU's instruction set";
+  }
   Result kept = run_moe("train " + tiny() + "--steps 4 --resume " + (dir_ / "ck").string());
   ASSERT_EQ(kept.exit_code, 0) << kept.output;
-  EXPECT_NE(kept.output.find("gemm: openblas (as in checkpoint"), std::string::npos) << kept.output;
+  EXPECT_NE(kept.output.find("gemm: openblas/"), std::string::npos) << kept.output;
+  EXPECT_NE(kept.output.find("(as in checkpoint"), std::string::npos) << kept.output;
   Result told = run_moe("train " + tiny() + "--steps 4 --gemm onednn --resume " + (dir_ / "ck").string());
   ASSERT_EQ(told.exit_code, 0) << told.output;
   EXPECT_NE(told.output.find("gemm: onednn (--gemm onednn)"), std::string::npos) << told.output;

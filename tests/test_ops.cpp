@@ -333,6 +333,17 @@ TEST(OpsValue, GemmChoiceSurvivesADisturbedSeries) {
   EXPECT_THROW(gemm_rates_from_rounds({}, {}, ""), std::invalid_argument);
 }
 
+// OpenBLAS's fallback kernel is replaced by the newest this instruction set runs; a kernel that
+// already uses AVX2 is left alone, whatever the CPU (no model names, only the ISA).
+TEST(OpsValue, OpenBlasCoreFollowsTheInstructionSetOnlyWhereItFellBack) {
+  EXPECT_EQ(openblas_core_for_isa("Prescott", /*avx512=*/true, /*avx2_fma=*/true), "SkylakeX");
+  EXPECT_EQ(openblas_core_for_isa("Prescott", false, true), "Haswell");
+  EXPECT_EQ(openblas_core_for_isa("Nehalem", false, true), "Haswell");
+  EXPECT_EQ(openblas_core_for_isa("Prescott", false, false), "");  // nothing better to run
+  for (const char* fine : {"Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids", "Excavator"})
+    EXPECT_EQ(openblas_core_for_isa(fine, true, true), "") << fine;
+}
+
 TEST(OpsValue, GemmMeasurementTimesBothBackends) {
   const std::vector<GemmShape> shapes{{false, true, 64, 96, 32}, {true, false, 32, 96, 64}};
   const GemmRates r = measure_gemm_backends(shapes, 3);

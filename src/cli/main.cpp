@@ -8,8 +8,10 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "tensor/ops.h"
 
 int main(int argc, char** argv) {
+  moe::rerun_with_openblas_kernel_for_isa(argv);  // first: OpenBLAS reads its core type only when it loads
   // A write past a file-size limit (ulimit -f, a quota) then fails with EFBIG, which the checkpoint
   // writer reports and recovers from, instead of killing the process with SIGXFSZ mid-write.
   std::signal(SIGXFSZ, SIG_IGN);

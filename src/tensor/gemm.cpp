@@ -8,6 +8,7 @@
 // on every rank (runtime/trainer.cpp); other programs decide lazily on first use.
 // MOE_GEMM=onednn|openblas overrides the lazy choice (for benchmarks and tests).
 #include <cblas.h>
+#include <unistd.h>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
@@ -194,6 +195,32 @@ GemmRates gemm_rates_from_rounds(const std::vector<double>& onednn, const std::v
           static_cast<int>(onednn.size()), openblas_core};
 }
 
+std::string openblas_core_for_isa(const std::string& detected, bool avx512, bool avx2_fma) {
+  static const char* const kAvx2Cores[] = {"Haswell", "Zen", "Excavator", "SkylakeX", "Cooperlake", "SapphireRapids"};
+  for (const char* c : kAvx2Cores)
+    if (detected == c) return "";
+  if (avx512) return "SkylakeX";
+  if (avx2_fma) return "Haswell";
+  return "";
+}
+
+std::string openblas_core_for_this_cpu(const std::string& detected) {
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vl");
+  const bool avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return openblas_core_for_isa(detected, avx512, avx2_fma);
+}
+
+void rerun_with_openblas_kernel_for_isa(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's (or a parent's) choice
+  const std::string core = openblas_core_for_this_cpu(openblas_get_corename());
+  if (core.empty()) return;
+  setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("OPENBLAS_CORETYPE");  // could not re-run: go on with OpenBLAS's own kernel
+}
+
 std::string pick_gemm_backend(const GemmRates& r) {
   return r.openblas_gflops > (1.0 + kGemmSwitchMargin) * r.onednn_gflops ? "openblas" : "onednn";
 }
@@ -209,7 +236,9 @@ void set_gemm_threads(int threads) { openblas_set_num_threads(std::max(1, thread
 
 void pin_gemm_backend(const std::string& name, const std::string& reason) {
   pinned().backend = parse(name);
-  pinned().why = name + " (" + reason + ")";
+  // OpenBLAS's kernel varies with the CPU and OPENBLAS_CORETYPE: say which one runs.
+  const std::string kernel = pinned().backend == Backend::openblas ? name + "/" + openblas_get_corename() : name;
+  pinned().why = kernel + " (" + reason + ")";
   is_pinned() = true;
 }
 

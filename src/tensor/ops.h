@@ -75,6 +75,21 @@ std::string pick_gemm_backend(const GemmRates& rates);
 // "measured onednn 180.1 vs openblas/Haswell 88.0 GFLOP/s, best of 7 interleaved rounds".
 std::string describe_gemm_rates(const GemmRates& rates);
 
+// OpenBLAS picks its kernel once, when it loads, from a table of CPU models; Debian's 0.3.21 does not
+// know newer CPUs and falls back to its SSE3 kernel (Prescott) on an AVX-512 Xeon: 33 against
+// oneDNN's 217 GFLOP/s on the expert shapes. The core type for OPENBLAS_CORETYPE that this CPU's
+// instruction set runs, given OpenBLAS's own choice `detected`: "SkylakeX" with AVX-512 (F, CD, BW,
+// DQ, VL), else "Haswell" with AVX2 and FMA; "" where `detected` already uses AVX2 (Haswell, Zen,
+// Excavator, SkylakeX, Cooperlake, SapphireRapids) or the CPU has neither. Decided by instruction
+// set, never by CPU model. Pure.
+std::string openblas_core_for_isa(const std::string& detected, bool avx512, bool avx2_fma);
+// The same for the CPU this runs on.
+std::string openblas_core_for_this_cpu(const std::string& detected);
+// Where OpenBLAS fell back to an older kernel than this CPU runs and OPENBLAS_CORETYPE is unset:
+// re-runs this program (argv, /proc/self/exe) with OPENBLAS_CORETYPE set by openblas_core_for_isa,
+// before anything else has started (call it first in main). Returns only if it did not re-run.
+void rerun_with_openblas_kernel_for_isa(char** argv);
+
 // ---- linear (no bias), PyTorch layout: weight [OC, IC] ------------------------------------
 void linear_forward(float* out /*[N,OC]*/, const float* inp /*[N,IC]*/, const float* weight /*[OC,IC]*/,
                     int64_t N, int64_t IC, int64_t OC);
