@@ -135,8 +135,10 @@ int cluster_strategies(const BenchOptions& opt) {
         if (cf.name().find(opt.only) != std::string::npos) configs.push_back(cf);
       }
   if (configs.empty()) {
-    std::fprintf(stderr, "moe bench cluster-strategies: no configuration's name contains '%s' (names: 2x1-1gbit-skew1.5, "
-                 "2x1-1gbit-skew0, ..., 2x2-10gbit-skew0)\n", opt.only.c_str());
+    std::fprintf(stderr,
+                 "moe bench cluster-strategies: no configuration's name contains '%s' (names: 2x1-1gbit-skew1.5, "
+                 "2x1-1gbit-skew0, ..., 2x2-10gbit-skew0)\n",
+                 opt.only.c_str());
     return 2;
   }
 
@@ -188,8 +190,8 @@ int cluster_strategies(const BenchOptions& opt) {
     report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", router skew ", cf.skew),
                  {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},
                   {"step / ep rounds min", "x"}, {"step / ep rounds max", "x"}, {"rounds faster than ep", "", 0},
-                  {"exposed comm", "ms", 1}, {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0}, {"sim step graph", "ms", 0},
-                  {"sim / measured step graph - 1", "%", 0}});
+                  {"exposed comm", "ms", 1}, {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0},
+                  {"sim step graph", "ms", 0}, {"sim / measured step graph - 1", "%", 0}});
     const double nan = std::nan("");
     auto med = [&](size_t s, double Run::*field) {
       std::vector<double> v;
@@ -218,7 +220,8 @@ int cluster_strategies(const BenchOptions& opt) {
       }
       const double p = median(pred), g = med(s, &Run::graph_ms);
       report.row({strategies[s], med(s, &Run::step_ms), ep_step > 0 ? med(s, &Run::step_ms) / ep_step : nan,
-                  paired_min, paired_max, static_cast<int64_t>(faster), med(s, &Run::exposed_ms), med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
+                  paired_min, paired_max, static_cast<int64_t>(faster), med(s, &Run::exposed_ms),
+                  med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
                   p > 0 ? p : nan, p > 0 && g > 0 ? 100 * (p / g - 1) : nan});
     }
   }
