@@ -12,7 +12,8 @@
 // Per workload, first a closed loop (clients sending their next request when the last one is answered)
 // finds ep's throughput; then for every schedule (ideal, ep, lina, lina-no-estimate, lina-no-phase2;
 // --repeats interleaved rounds) a fresh server gets the same Poisson arrivals at 70% of it, the load a
-// serving system is sized for, and the client measures each request's latency (arrival to last token)
+// serving system is sized for (or at --rates CHAT,LONG, without the closed loop: that throughput moved
+// 162-242 req/s between runs on one machine, so runs sat at different distances from saturation), and the client measures each request's latency (arrival to last token)
 // and time to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2
 // re-plans, replicas and the expert weights moved.
 //
@@ -192,9 +193,10 @@ std::string bench_checkpoint(const ScratchDir& scratch) {
 }
 
 // One workload's table: ep's closed-loop throughput, then every schedule on the same Poisson trace at
-// 70% of it, opt.repeats rounds interleaved. Returns false when a server did not start.
-bool run_workload(const Place& at, const std::string& checkpoint, const Workload& w, const BenchOptions& opt,
-                  const std::string& log, Report& report) {
+// 70% of it (or at fixed_rate when > 0, without the closed loop), opt.repeats rounds interleaved.
+// Returns false when a server did not start.
+bool run_workload(const Place& at, const std::string& checkpoint, const Workload& w, double fixed_rate,
+                  const BenchOptions& opt, const std::string& log, Report& report) {
   std::vector<Prompt> prompts;
   if (Status s = make_prompts(w, &prompts); !s) {
     std::fprintf(stderr, "bench serve: %s\n", s.message().c_str());
@@ -204,7 +206,7 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
 
   // Closed loop on ep: w.clients back to back for 8 s, for the throughput the open loop is sized by.
   double closed_rate = 0;
-  {
+  if (fixed_rate <= 0) {
     const std::string closed_log = log + ".closed";
     BackgroundProcess server = start_server(at, checkpoint, "ep", w, closed_log);  // ep's throughput sizes every schedule's load
     const int port = wait_for_port(server, at, "ep", closed_log);
@@ -227,8 +229,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
     closed_rate = closed.size() / std::chrono::duration<double>(Clock::now() - t0).count();
   }
 
-  // Open loop, every schedule on the same Poisson trace at 70% of ep's throughput, rounds interleaved.
-  const double rate = 0.7 * closed_rate;
+  // Open loop, every schedule on the same Poisson trace at that rate, rounds interleaved.
+  const double rate = fixed_rate > 0 ? fixed_rate : 0.7 * closed_rate;
   struct Result {
     std::vector<double> latency, first_token;  // every round's requests
     std::vector<double> round_p50, round_p95;  // each round's own quantiles
@@ -290,12 +292,15 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
       r.mean_rows += metric(m, "moe_expert_rows_mean_rank_total");
     }
 
+  char load[64];
+  if (fixed_rate > 0)
+    std::snprintf(load, sizeof load, "--rates");
+  else
+    std::snprintf(load, sizeof load, "70%% of ep's closed-loop %.1f", closed_rate);
   char title[192];
-  std::snprintf(title, sizeof title,
-                "%s: %d-%d prompt bytes, %lld new tokens, %d slots per rank; Poisson arrivals at %.1f req/s (70%% of "
-                "ep's closed-loop %.1f)",
+  std::snprintf(title, sizeof title, "%s: %d-%d prompt bytes, %lld new tokens, %d slots per rank; Poisson arrivals at %.1f req/s (%s)",
                 w.name.c_str(), w.prompt_min, w.prompt_max, static_cast<long long>(w.max_tokens), w.slots_per_rank, rate,
-                closed_rate);
+                load);
   report.table(title, {{"schedule", "", 0, 18}, {"requests", "", 0}, {"failed", "", 0}, {"latency p50", "ms", 0},
                        {"p95", "ms", 0}, {"p95 rounds min", "ms", 0}, {"p95 rounds max", "ms", 0}, {"p99 all", "ms", 0},
                        {"p50 / ideal", "x", 2}, {"p95 / ideal", "x", 2}, {"p95 / ep", "x", 2},
@@ -363,8 +368,11 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
                     std::to_string(opt.repeats) + " interleaved rounds of 15 s per schedule and workload",
                 opt, /*uses_gemm=*/false);
   const std::string log = (scratch.path() / "serve.log").string();
-  for (const Workload& w : workloads())
-    if (!run_workload(at, checkpoint, w, opt, log + "." + std::to_string(w.slots_per_rank), report)) return 1;
+  for (size_t i = 0; i < workloads().size(); ++i) {
+    const Workload& w = workloads()[i];
+    const double fixed_rate = opt.rates.empty() ? 0 : opt.rates[i];
+    if (!run_workload(at, checkpoint, w, fixed_rate, opt, log + "." + std::to_string(w.slots_per_rank), report)) return 1;
+  }
   report.note("latency: from the request's scheduled send to its last streamed event (client side); p50, p95: the median "
               "over the rounds of each round's quantile, with the rounds' lowest and highest p95; p99 all and first token "
               "p95 (to the first event with text): over every round's requests");

@@ -24,6 +24,12 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   c->add_option("--only", f->only,
                 "cluster-strategies: only the configurations whose name contains TEXT (names such as 2x1-1gbit-skew1.5, "
                 "2x2-10gbit-skew0)");
+  c->add_option("--rates", f->rates,
+                "serve, cluster-serve: Poisson arrivals per second for the two workloads, chat and long prompts (e.g. "
+                "115,160), instead of 70% of ep's closed-loop throughput measured first: runs on different days then "
+                "sit at the same load")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
   return c;
 }
 
@@ -37,7 +43,16 @@ int run_bench(const BenchFlags& f) {
     std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies\n", f.name.c_str());
     return 2;
   }
-  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html, f.only};
+  if (!f.rates.empty() && f.name != "serve" && f.name != "cluster-serve") {
+    std::fprintf(stderr, "moe bench %s: --rates is for serve and cluster-serve\n", f.name.c_str());
+    return 2;
+  }
+  if (!f.rates.empty() && f.rates.size() != 2) {
+    std::fprintf(stderr, "moe bench %s: --rates takes two rates, chat and long prompts (e.g. 115,160); got %zu\n",
+                 f.name.c_str(), f.rates.size());
+    return 2;
+  }
+  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html, f.only, f.rates};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
   if (f.name == "collectives") return bench::collectives(opt);

@@ -53,6 +53,7 @@ struct BenchFlags {
   bool json = false;
   std::string html;  // --report FILE (strategies, cluster-strategies)
   std::string only;  // --only TEXT (cluster-strategies)
+  std::vector<double> rates;  // --rates CHAT,LONG (serve, cluster-serve)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
