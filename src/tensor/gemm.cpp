@@ -8,7 +8,6 @@
 // on every rank (runtime/trainer.cpp); other programs decide lazily on first use.
 // MOE_GEMM=onednn|openblas overrides the lazy choice (for benchmarks and tests).
 #include <cblas.h>
-#include <unistd.h>
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
@@ -184,7 +183,7 @@ GemmRates measure_gemm_backends(const std::vector<GemmShape>& shapes, int rounds
       (is_onednn ? onednn : openblas).push_back(flops / s * 1e-9);
     }
   }
-  return gemm_rates_from_rounds(onednn, openblas, openblas_get_corename());
+  return gemm_rates_from_rounds(onednn, openblas, openblas_kernel());
 }
 
 GemmRates gemm_rates_from_rounds(const std::vector<double>& onednn, const std::vector<double>& openblas,
@@ -212,14 +211,7 @@ std::string openblas_core_for_this_cpu(const std::string& detected) {
   return openblas_core_for_isa(detected, avx512, avx2_fma);
 }
 
-void rerun_with_openblas_kernel_for_isa(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's (or a parent's) choice
-  const std::string core = openblas_core_for_this_cpu(openblas_get_corename());
-  if (core.empty()) return;
-  setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
-  execv("/proc/self/exe", argv);
-  unsetenv("OPENBLAS_CORETYPE");  // could not re-run: go on with OpenBLAS's own kernel
-}
+std::string openblas_kernel() { return openblas_get_corename(); }
 
 std::string pick_gemm_backend(const GemmRates& r) {
   return r.openblas_gflops > (1.0 + kGemmSwitchMargin) * r.onednn_gflops ? "openblas" : "onednn";
@@ -237,7 +229,7 @@ void set_gemm_threads(int threads) { openblas_set_num_threads(std::max(1, thread
 void pin_gemm_backend(const std::string& name, const std::string& reason) {
   pinned().backend = parse(name);
   // OpenBLAS's kernel varies with the CPU and OPENBLAS_CORETYPE: say which one runs.
-  const std::string kernel = pinned().backend == Backend::openblas ? name + "/" + openblas_get_corename() : name;
+  const std::string kernel = pinned().backend == Backend::openblas ? name + "/" + openblas_kernel() : name;
   pinned().why = kernel + " (" + reason + ")";
   is_pinned() = true;
 }

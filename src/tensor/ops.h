@@ -85,10 +85,9 @@ std::string describe_gemm_rates(const GemmRates& rates);
 std::string openblas_core_for_isa(const std::string& detected, bool avx512, bool avx2_fma);
 // The same for the CPU this runs on.
 std::string openblas_core_for_this_cpu(const std::string& detected);
-// Where OpenBLAS fell back to an older kernel than this CPU runs and OPENBLAS_CORETYPE is unset:
-// re-runs this program (argv, /proc/self/exe) with OPENBLAS_CORETYPE set by openblas_core_for_isa,
-// before anything else has started (call it first in main). Returns only if it did not re-run.
-void rerun_with_openblas_kernel_for_isa(char** argv);
+// The kernel OpenBLAS chose when it loaded ("Prescott", "SkylakeX", ...). `moe` re-runs itself with
+// OPENBLAS_CORETYPE = openblas_core_for_this_cpu(openblas_kernel()) where that is not "" (src/cli/main.cpp).
+std::string openblas_kernel();
 
 // ---- linear (no bias), PyTorch layout: weight [OC, IC] ------------------------------------
 void linear_forward(float* out /*[N,OC]*/, const float* inp /*[N,IC]*/, const float* weight /*[OC,IC]*/,
