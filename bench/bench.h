@@ -4,6 +4,7 @@
 // through bench/report.h: one header block, the same column conventions, --json for machines.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -18,6 +19,15 @@ namespace moe::bench {
 
 // Shared by the benchmarks (bench_util.cpp).
 double median(std::vector<double> v);  // the upper median; 0 for no samples
+// A figure measured once per round against the reference's figure of the same round (the rounds
+// interleave the runs, so a slow spell of the machine weighs on both): the lowest and highest of the
+// per-round ratios, and in how many rounds the figure was below the reference (n of n by chance
+// alone: the sign test's p = 2^-n). NaN bounds for no rounds. REQUIRES: x and ref of the same size.
+struct PairedRounds {
+  double lowest = 0, highest = 0;
+  int64_t below = 0;
+};
+PairedRounds paired_rounds(const std::vector<double>& x, const std::vector<double>& ref);
 // bench/torch_moe_layer_peer.py: under $MOE_BENCH_DIR if set, else in the source tree moe was built from.
 std::string torch_peer_script();
 // A fresh directory under the temp directory ("<prefix><pid>"), removed with its contents when this

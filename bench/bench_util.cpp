@@ -1,7 +1,9 @@
 // Helpers every benchmark uses: see bench.h.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include <unistd.h>
@@ -69,6 +71,18 @@ double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+PairedRounds paired_rounds(const std::vector<double>& x, const std::vector<double>& ref) {
+  if (x.size() != ref.size()) throw std::invalid_argument("paired_rounds: REQUIRES as many rounds as the reference");
+  if (x.empty()) return {std::nan(""), std::nan(""), 0};
+  PairedRounds p{x[0] / ref[0], x[0] / ref[0], 0};
+  for (size_t i = 0; i < x.size(); ++i) {
+    p.lowest = std::min(p.lowest, x[i] / ref[i]);
+    p.highest = std::max(p.highest, x[i] / ref[i]);
+    p.below += x[i] < ref[i];
+  }
+  return p;
 }
 
 void check(const Status& st) {

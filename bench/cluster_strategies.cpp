@@ -205,12 +205,11 @@ int cluster_strategies(const BenchOptions& opt) {
         report.row({strategies[s] + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan});
         continue;
       }
-      std::vector<double> paired;  // this strategy's step over ep's, round by round
+      std::vector<double> step, ep_step_of_round;  // the rounds where both ran
       for (int r = 0; r < rounds; ++r)
-        if (runs[c][s][r].ok && runs[c][0][r].ok) paired.push_back(runs[c][s][r].step_ms / runs[c][0][r].step_ms);
-      const auto faster = std::count_if(paired.begin(), paired.end(), [](double x) { return x < 1; });
-      const double paired_min = paired.empty() ? nan : *std::min_element(paired.begin(), paired.end());
-      const double paired_max = paired.empty() ? nan : *std::max_element(paired.begin(), paired.end());
+        if (runs[c][s][r].ok && runs[c][0][r].ok)
+          step.push_back(runs[c][s][r].step_ms), ep_step_of_round.push_back(runs[c][0][r].step_ms);
+      const PairedRounds paired = paired_rounds(step, ep_step_of_round);
       std::vector<double> pred;
       const std::string name = strategies[s].substr(0, strategies[s].find(' '));
       const int reshard_every = strategies[s].find("--reshard-every 5") != std::string::npos ? 5 : -1;
@@ -220,7 +219,7 @@ int cluster_strategies(const BenchOptions& opt) {
       }
       const double p = median(pred), g = med(s, &Run::graph_ms);
       report.row({strategies[s], med(s, &Run::step_ms), ep_step > 0 ? med(s, &Run::step_ms) / ep_step : nan,
-                  paired_min, paired_max, static_cast<int64_t>(faster), med(s, &Run::exposed_ms),
+                  paired.lowest, paired.highest, paired.below, med(s, &Run::exposed_ms),
                   med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
                   p > 0 ? p : nan, p > 0 && g > 0 ? 100 * (p / g - 1) : nan});
     }

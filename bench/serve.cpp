@@ -13,8 +13,8 @@
 // finds ep's throughput; then for every schedule (ideal, ep, lina, lina-no-estimate, lina-no-phase2;
 // --repeats interleaved rounds) a fresh server gets the same Poisson arrivals at 70% of it, the load a
 // serving system is sized for (or at --rates CHAT,LONG, without the closed loop: that throughput moved
-// 162-242 req/s between runs on one machine, so runs sat at different distances from saturation), and the client measures each request's latency (arrival to last token)
-// and time to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2
+// 162-242 req/s between runs on one machine, so runs sat at different distances from saturation), and
+// the client measures each request's latency (arrival to last token) and time to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2
 // re-plans, replicas and the expert weights moved.
 //
 // The model: $MOE_BENCH_CHECKPOINT if set, else the default model trained here for 200 steps on 2
@@ -316,18 +316,10 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
     const Result& r = results[k];
     const double nan = std::nan("");
     const double p50 = median(r.round_p50), p95 = median(r.round_p95);
-    // Paired by round: this schedule's p95 against ep's in the same round, run minutes apart, so a
-    // slow spell of the machine moves both; "rounds below ep" of n is the sign test (all n: p = 2^-n).
-    std::vector<double> paired;
-    int below = 0;
-    for (size_t i = 0; i < r.round_p95.size(); ++i) {
-      paired.push_back(r.round_p95[i] / results[1].round_p95[i]);
-      below += r.round_p95[i] < results[1].round_p95[i];
-    }
+    const PairedRounds paired = paired_rounds(r.round_p95, results[1].round_p95);  // against ep, round by round
     report.row({schedules[k], r.requests, r.failed, p50, p95, *std::min_element(r.round_p95.begin(), r.round_p95.end()),
                 *std::max_element(r.round_p95.begin(), r.round_p95.end()), quantile(r.latency, 0.99), p50 / ideal_p50,
-                p95 / ideal_p95, p95 / ep_p95, *std::min_element(paired.begin(), paired.end()),
-                *std::max_element(paired.begin(), paired.end()), static_cast<int64_t>(below), quantile(r.first_token, 0.95),
+                p95 / ideal_p95, p95 / ep_p95, paired.lowest, paired.highest, paired.below, quantile(r.first_token, 0.95),
                 r.mean_rows > 0 ? r.busiest_rows / r.mean_rows : nan,
                 r.estimated > 0 ? 100 * r.accurate / r.estimated : nan, r.estimated > 0 ? 100 * r.replans / r.estimated : nan,
                 r.layer_forwards > 0 ? r.replicas / r.layer_forwards : nan,
