@@ -264,23 +264,29 @@ TEST_P(CudaTrain, ThreeStepsMatchTheCpuModelAndOptimizer) {
 }
 
 // The default model (`moe train`'s) on real text for 50 steps with the trainer's optimizer settings
-// (eps 1e-8, warmup to 3e-3, clip 1.0): the GPU follows the CPU step by step. Prints, per step, the
-// loss difference, how many expert assignments differ, and the largest weight difference.
+// (eps 1e-8, warmup to 3e-3, clip 1.0), two ways.
 //
-// What can hold, and is asserted: while every token goes to the same experts on both devices, the
-// losses and gradient norms agree to 1e-4 relative (measured on an H100: below 1e-8, one step 6e-6).
-// Top-k routing is discontinuous: once a token's two best experts are closer than the devices' f32
-// rounding differences (about 1e-7 relative; the GPU sums in other orders), one device sends it
-// elsewhere and from then on the runs are two different (equally valid) trajectories (measured: the
-// first such token at step 33; the losses then differ by up to 1.5e-3 by step 50). So the routing must
-// agree for the first kMatchingSteps steps (a wrong router or gradient breaks it at once), and after
-// the first difference the loss only has to stay within 1e-2 of the CPU's (the same training).
+// In lockstep: before every step the GPU takes the CPU's weights, so both compute the same step from
+// the same point and each step is checked alone. Where every token goes to the same experts on both
+// devices, the losses and gradient norms agree to 1e-4 relative (measured on an H100: below 1e-8).
+// Top-k routing is discontinuous: a token whose two best experts are closer than the devices' f32
+// rounding differences (about 1e-7 relative; the GPU sums in other orders) may go elsewhere on one
+// device. From the same weights that is rare, and it moves only that step's few tokens: such a step
+// must agree to 1e-3, and at most kSplitSteps of the 50 may route differently (a wrong router or
+// gradient routes differently at every step).
+//
+// Free running: a second GPU model trains on its own beside the CPU. Its weights part from the CPU's
+// from the first update (AdamW divides tiny gradients by their tiny moments), a token soon takes
+// another expert, and from then on the two runs are different, equally valid trajectories: measured
+// on an H100, the first such token came at steps 10 to 36 as the corpus (this repo's docs) changed,
+// and the runs then drifted up to 1.5e-2 apart at single steps. What must hold is that the GPU
+// trains as well as the CPU: the mean loss of the last 10 steps within 2% of the CPU's.
 TEST(CudaTrainLong, FiftyStepsOfTheDefaultModelFollowTheCpu) {
   if (device_count() == 0) GTEST_SKIP() << device_summary();
   std::unique_ptr<Context> ctx;
   ASSERT_TRUE(Context::create(0, &ctx).is_ok());
   const ModelConfig cfg;  // L4 C128 E8 K2 F256 T128
-  constexpr int64_t B = 16, kSteps = 50;
+  constexpr int64_t B = 16, kSteps = 50, kSplitSteps = 5, kLastSteps = 10;
   std::string text;
   for (const char* f : {"model.md", "strategies.md", "cluster.md", "cpus.md"}) text += read_file(fs::path(MOE_TEST_DIR) / ".." / "docs" / f);
   ASSERT_GT(text.size(), size_t(B * (cfg.seq_len + 1) * 4));
@@ -288,16 +294,25 @@ TEST(CudaTrainLong, FiftyStepsOfTheDefaultModelFollowTheCpu) {
   cpu.init(1);
   AdamWConfig a;
   AdamW cpu_opt(cpu.params(), a);
-  std::unique_ptr<GpuModel> gpu;
-  std::unique_ptr<GpuAdamW> gpu_opt;
-  ASSERT_TRUE(GpuModel::create(*ctx, cfg, B, DType::f32, &gpu).is_ok());
-  ASSERT_TRUE(gpu->load_weights(cpu).is_ok());
-  ASSERT_TRUE(GpuAdamW::create(*ctx, *gpu, a, &gpu_opt).is_ok());
-  moe::Model check(cfg, B);
+  std::unique_ptr<GpuModel> lockstep, free_run;
+  std::unique_ptr<GpuAdamW> lockstep_norm, free_opt;  // lockstep's only measures the gradient norm
+  for (auto [m, o] : {std::pair{&lockstep, &lockstep_norm}, {&free_run, &free_opt}}) {
+    ASSERT_TRUE(GpuModel::create(*ctx, cfg, B, DType::f32, m).is_ok());
+    ASSERT_TRUE((*m)->load_weights(cpu).is_ok());
+    ASSERT_TRUE(GpuAdamW::create(*ctx, **m, a, o).is_ok());
+  }
+  const auto tokens_moved = [&](const GpuModel& gpu) {  // expert assignments that differ from the CPU's
+    const std::vector<LayerLoad> gload = gpu.load_stats(), cload = cpu.load_stats();
+    int64_t moved = 0;
+    for (size_t i = 0; i < cload.size(); ++i)
+      for (size_t e = 0; e < cload[i].tokens_per_expert.size(); ++e)
+        moved += std::llabs(cload[i].tokens_per_expert[e] - gload[i].tokens_per_expert[e]);
+    return moved;
+  };
   std::mt19937_64 rng(5);
   std::uniform_int_distribution<size_t> start(0, text.size() - cfg.seq_len - 2);
-  constexpr int64_t kMatchingSteps = 10;
-  int64_t first_moved = 0;  // 1-based step of the first routing difference; 0: none
+  int64_t split_steps = 0, free_parted = 0;  // free_parted: 1-based step of its first routing difference
+  double cpu_last = 0, free_last = 0;        // loss sums over the last kLastSteps steps
   for (int64_t step = 0; step < kSteps; ++step) {
     std::vector<int32_t> tokens, targets;
     for (int64_t b = 0; b < B; ++b) {
@@ -307,47 +322,45 @@ TEST(CudaTrainLong, FiftyStepsOfTheDefaultModelFollowTheCpu) {
         targets.push_back(static_cast<unsigned char>(text[s0 + t + 1]));
       }
     }
+    double ll = NAN, ln = NAN, fl = NAN, fn = NAN;
+    ASSERT_TRUE(lockstep->load_weights(cpu).is_ok());
+    ASSERT_TRUE(lockstep->zero_grad().is_ok());
+    ASSERT_TRUE(lockstep->forward(tokens.data(), targets.data(), B, &ll).is_ok());
+    ASSERT_TRUE(lockstep->backward().is_ok());
+    ASSERT_TRUE(lockstep_norm->clip_grad_norm(1.0f, &ln).is_ok());
+    ASSERT_TRUE(free_run->zero_grad().is_ok());
+    ASSERT_TRUE(free_run->forward(tokens.data(), targets.data(), B, &fl).is_ok());
+    ASSERT_TRUE(free_run->backward().is_ok());
     cpu.zero_grad();
     const double cl = cpu.forward(tokens.data(), targets.data(), B);
     cpu.backward();
-    double gl = NAN, gn = NAN;
-    ASSERT_TRUE(gpu->zero_grad().is_ok());
-    ASSERT_TRUE(gpu->forward(tokens.data(), targets.data(), B, &gl).is_ok());
-    ASSERT_TRUE(gpu->backward().is_ok());
-    const std::vector<LayerLoad> gload = gpu->load_stats(), cload = cpu.load_stats();
-    int64_t moved = 0;
-    for (size_t i = 0; i < cload.size(); ++i)
-      for (size_t e = 0; e < cload[i].tokens_per_expert.size(); ++e)
-        moved += std::llabs(cload[i].tokens_per_expert[e] - gload[i].tokens_per_expert[e]);
-    if (moved > 0 && first_moved == 0) first_moved = step + 1;
+    const int64_t lockstep_moved = tokens_moved(*lockstep), free_moved = tokens_moved(*free_run);
+    if (free_moved > 0 && free_parted == 0) free_parted = step + 1;
     const float lr = lr_at(step, kSteps, 50, a.lr, 3e-4f);
     const double cn = cpu_opt.clip_grad_norm(1.0f);
-    ASSERT_TRUE(gpu_opt->clip_grad_norm(1.0f, &gn).is_ok());
+    ASSERT_TRUE(free_opt->clip_grad_norm(1.0f, &fn).is_ok());
     cpu_opt.step(lr);
-    ASSERT_TRUE(gpu_opt->step(lr).is_ok());
-    ASSERT_TRUE(gpu->store_weights(&check).is_ok());
-    double wd = 0;
-    std::string wname;
-    const std::vector<Param*> g = check.params(), c = cpu.params();
-    for (size_t i = 0; i < g.size(); ++i)
-      for (size_t j = 0; j < c[i]->value.numel(); ++j) {
-        const double d = std::fabs(double(g[i]->value[j]) - c[i]->value[j]);
-        if (d > wd) wd = d, wname = c[i]->name;
-      }
-    std::printf("  step %2lld: loss cpu %.7f gpu %.7f rel %.2e  |g| rel %.2e  expert counts off by %lld  weights max "
-                "diff %.2e (%s)\n",
-                (long long)step + 1, cl, gl, rel(gl, cl), rel(gn, cn), (long long)moved, wd, wname.c_str());
-    if (first_moved == 0) {
-      EXPECT_LE(rel(gl, cl), 1e-4) << "step " << step + 1 << ", every token on the same experts";
-      EXPECT_LE(rel(gn, cn), 1e-4) << "gradient norm, step " << step + 1 << ", every token on the same experts";
+    ASSERT_TRUE(free_opt->step(lr).is_ok());
+    if (step >= kSteps - kLastSteps) cpu_last += cl, free_last += fl;
+    std::printf("  step %2lld: loss cpu %.7f | lockstep %.7f rel %.2e, |g| rel %.2e, tokens moved %lld | free "
+                "running %.7f rel %.2e, moved %lld\n",
+                (long long)step + 1, cl, ll, rel(ll, cl), rel(ln, cn), (long long)lockstep_moved, fl, rel(fl, cl),
+                (long long)free_moved);
+    if (lockstep_moved == 0) {
+      EXPECT_LE(rel(ll, cl), 1e-4) << "step " << step + 1 << ", every token on the same experts";
+      EXPECT_LE(rel(ln, cn), 1e-4) << "gradient norm, step " << step + 1 << ", every token on the same experts";
     } else {
-      EXPECT_LE(rel(gl, cl), 1e-2) << "step " << step + 1 << " (routing first differed at step " << first_moved << ")";
+      ++split_steps;
+      EXPECT_LE(rel(ll, cl), 1e-3) << "step " << step + 1 << ", " << lockstep_moved << " tokens on other experts";
     }
   }
-  std::printf("  first step with a token on another expert: %lld of %lld\n", (long long)first_moved, (long long)kSteps);
-  if (first_moved != 0) {
-    EXPECT_GT(first_moved, kMatchingSteps) << "the devices route differently from the start";
-  }
+  cpu_last /= kLastSteps, free_last /= kLastSteps;
+  std::printf("  lockstep: %lld of %lld steps routed a token differently; free running: first at step %lld, mean "
+              "loss of the last %lld steps cpu %.5f gpu %.5f (rel %.2e)\n",
+              (long long)split_steps, (long long)kSteps, (long long)free_parted, (long long)kLastSteps, cpu_last,
+              free_last, rel(free_last, cpu_last));
+  EXPECT_LE(split_steps, kSplitSteps) << "from the same weights the devices route differently too often";
+  EXPECT_LE(std::fabs(free_last - cpu_last) / cpu_last, 2e-2) << "the GPU trains worse or better than the CPU";
 }
 
 TEST_P(CudaTrain, CheckpointFromTheGpuResumesOnTheCpuAndOnTheGpu) {
