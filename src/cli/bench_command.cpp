@@ -15,7 +15,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                              "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "sim", "sim-fidelity",
                              "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
-  c->add_option("--repeats", f->repeats, "timed repetitions (the median is reported)")->check(CLI::PositiveNumber);
+  c->add_option("--repeats", f->repeats, "timed repetitions or interleaved rounds (the median is reported; default 5, cluster-strategies 2)")->check(CLI::PositiveNumber);
   c->add_flag("--skip-torch", f->skip_torch, "do not run the PyTorch peer");
   c->add_flag("--json", f->json, "print the report as one JSON document (progress stays on stderr)");
   c->add_option("--report", f->html,
@@ -52,7 +52,10 @@ int run_bench(const BenchFlags& f) {
                  f.name.c_str(), f.rates.size());
     return 2;
   }
-  bench::BenchOptions opt{f.threads, f.repeats, f.skip_torch, f.json, f.html, f.only, f.rates};
+  // cluster-strategies' rounds take minutes each, so it runs 2 unless told; a --repeats given is kept
+  // whatever its value (5 included).
+  const int repeats = f.repeats > 0 ? f.repeats : f.name == "cluster-strategies" ? 2 : 5;
+  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.rates};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
   if (f.name == "collectives") return bench::collectives(opt);

@@ -48,7 +48,7 @@ int run_serve(ServeFlags& flags);
 struct BenchFlags {
   std::string name;
   int threads = 2;
-  int repeats = 5;
+  int repeats = 0;  // 0: the bench's own default (run_bench)
   bool skip_torch = false;
   bool json = false;
   std::string html;  // --report FILE (strategies, cluster-strategies)
