@@ -16,9 +16,12 @@
 //                sent + received, all ranks)
 //   ranks m/m    expert rows of the busiest rank over the mean, worst MoE layer
 //   t            Hecate's overlap degree (Alg. 1), from the measured inter-node bandwidth
-//   sim ms       the simulator's prediction of the same run: calibrated on a local 2-rank ep run made
-//                at the start of this bench (sim/calibrate.h), the hosts joined by one NIC each at the
-//                configured cap, each run's own recorded loads replayed, the same strategy object
+//   sim ms       the simulator's prediction of the same run: calibrated (sim/calibrate.h) on local 2-rank
+//                ep runs made in the same rounds, one at the start of each round of the configuration,
+//                so that the calibration meets the machine's spells as the runs it predicts do (this
+//                machine's speed moves by up to 1.7x within seconds: docs/cpus.md); the hosts joined by
+//                one NIC each at the configured cap, each run's own recorded loads replayed, the same
+//                strategy object
 //   sim err      predicted / measured step graph time (compute + exposed communication, which the
 //                simulator models; the optimizer is in neither) - 1
 // --only TEXT: only the configurations whose name (2x1-1gbit-skew1.5, 2x2-10gbit-skew0, ...) contains
@@ -148,17 +151,9 @@ int cluster_strategies(const BenchOptions& opt) {
                         " interleaved rounds; 2 emulated hosts sharing this machine's ", cores, " cores"),
                 opt);
 
-  // The simulator's calibration: a local 2-rank ep run (traced) on this machine now.
+  // The simulator's calibration runs: local 2-rank ep runs (traced) on this machine.
   const std::string local = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none";
-  const Run cal_run = train(local, "", (dir / "cal.jsonl").string(), (dir / "cal.trace.json").string());
-  if (!cal_run.ok) return report.finish(1);
-  sim::CalibrationResult cal;
-  if (Status s = sim::calibrate((dir / "cal.jsonl").string() + "," + (dir / "cal.trace.json").string(), ModelConfig{},
-                                &cal, {cores, 1});
-      !s) {
-    std::fprintf(stderr, "bench cluster-strategies: %s\n", s.message().c_str());
-    return report.finish(1);
-  }
+  std::vector<std::vector<std::string>> cal_runs(configs.size());  // "METRICS,TRACE" per round that ran
 
   EmulatedCluster cluster(kCluster, configs[0].nic);
   if (!cluster.up()) {
@@ -172,21 +167,34 @@ int cluster_strategies(const BenchOptions& opt) {
     const Config& cf = configs[c];
     if (!cluster.shape(cf.nic)) return report.finish(1);
     const std::string launch = cluster.command(str_cat("run --ranks-per-node ", cf.ranks_per_host, " --"));
-    for (int r = 0; r < rounds; ++r)
+    for (int r = 0; r < rounds; ++r) {
+      const fs::path cal = dir / str_cat("cal_c", c, "_r", r);
+      if (train(local, "", cal.string() + ".jsonl", cal.string() + ".trace.json").ok)
+        cal_runs[c].push_back(cal.string() + ".jsonl," + cal.string() + ".trace.json");
+      else
+        ++failed;
       for (size_t s = 0; s < strategies.size(); ++s) {
         const std::string file = (dir / str_cat("c", c, "_s", s, "_r", r, ".jsonl")).string();
         Run run = train(launch, str_cat("--router-skew ", cf.skew, " --strategy ", strategies[s]), file, "");
         failed += run.ok ? 0 : 1;
         runs[c][s].push_back(std::move(run));
       }
+    }
     std::fprintf(stderr, "bench cluster-strategies: configuration %zu of %zu done\n", c + 1, configs.size());
   }
 
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
     const int ranks = 2 * cf.ranks_per_host;
+    sim::CalibrationResult cal;
     sim::ClusterSpec spec;
-    const Status spec_status = sim::two_node_cluster(cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, &spec);
+    Status spec_status = cal_runs[c].empty() ? Status::error("no calibration run of this configuration's rounds ran")
+                                             : sim::calibrate(cal_runs[c], ModelConfig{}, &cal, {cores, 1});
+    if (spec_status)
+      spec_status = sim::two_node_cluster(cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, &spec);
+    if (!spec_status)
+      std::fprintf(stderr, "bench cluster-strategies: %s: %s, no prediction\n", cf.name().c_str(),
+                   spec_status.message().c_str());
     report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", router skew ", cf.skew),
                  {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},
                   {"step / ep rounds min", "x"}, {"step / ep rounds max", "x"}, {"rounds faster than ep", "", 0},
@@ -237,9 +245,12 @@ int cluster_strategies(const BenchOptions& opt) {
                                 ", router skew ", cf.skew, ", round ", rounds, " of ", rounds),
                         files, labels);
     }
+  size_t cal_done = 0;
+  for (const auto& c : cal_runs) cal_done += c.size();
   report.note(str_cat("sim: the simulator's step graph time (compute + exposed comm) for the run's own loads, "
-                      "calibrated on a local 2-rank ep run of this bench (", cal_run.ok ? "ok" : "failed",
-                      "); measured step graph: the run's compute + exposed comm"));
+                      "calibrated on local 2-rank ep runs made one per round of the same configuration (",
+                      cal_done, " of ", configs.size() * rounds, " ran); measured step graph: the run's compute + "
+                      "exposed comm"));
   return report.finish(failed ? 1 : 0);
 }
 
