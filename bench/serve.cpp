@@ -17,12 +17,15 @@
 // the client measures each request's latency (arrival to last token) and time to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2
 // re-plans, replicas and the expert weights moved.
 //
-// The model: $MOE_BENCH_CHECKPOINT if set, else the default model trained here for 200 steps on 2
-// ranks (about 2 minutes) with --router-skew 1.5 (a fixed Zipf-shaped bias on every router) and a weak
-// balancing loss (--aux-loss-weight 0.001), so a few experts are hot at serving, as in the traces of
-// the Lina paper: at the end of its training the busiest expert of a layer draws 2.7-3.9x the mean
-// (measured 2026-11-26). With the default balancing loss the same training ends at 1.2-1.6x, and with
-// none the router collapses onto 2 experts.
+// The model: $MOE_BENCH_CHECKPOINT if set, else one trained here for 300 steps on 2 ranks (about 5
+// minutes): the default model widened to C256 F1024, so that its experts, F = 4C as GPT-MoE's, carry
+// about two thirds of a token's FLOPs, as in the Lina paper's models. The default model (C128 F256)
+// spends ~2 us a token in an expert, too little for an even load to show in a serving step
+// (docs/serving.md). It trains with --router-skew 1.5 (a fixed Zipf-shaped bias on every router) and a
+// weak balancing loss (--aux-loss-weight 0.001), so a few experts are hot at serving, as in the traces
+// of the Lina paper: at the end of training the busiest expert of a layer draws 1.7-3.0x the mean
+// (measured 2026-11-27; the default model's 2.7-3.9x). With the default balancing loss the same
+// training ends at 1.2-1.6x, and with none the router collapses onto 2 experts.
 #include <fcntl.h>
 #include <sched.h>
 #include <unistd.h>
@@ -176,14 +179,16 @@ double metric(const std::string& text, const std::string& name) {
 }
 
 constexpr const char* kHotExperts = "--router-skew 1.5 --aux-loss-weight 0.001";  // see the top of the file
+constexpr const char* kBenchModel = "--d-model 256 --d-ffn 1024";                  // likewise
 
 // The checkpoint the bench serves: $MOE_BENCH_CHECKPOINT, else one trained into `scratch` (empty on failure).
 std::string bench_checkpoint(const ScratchDir& scratch) {
   if (const char* given = std::getenv("MOE_BENCH_CHECKPOINT"); given && *given) return given;
   const std::string checkpoint = (scratch.path() / "ck").string();
-  std::fprintf(stderr, "bench serve: training the default model (%s) for 200 steps on 2 ranks "
-                       "(set MOE_BENCH_CHECKPOINT to skip)\n", kHotExperts);
-  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 200 " + kHotExperts +
+  std::fprintf(stderr, "bench serve: training the bench's model (%s %s) for 300 steps on 2 ranks "
+                       "(set MOE_BENCH_CHECKPOINT to skip)\n", kBenchModel, kHotExperts);
+  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 300 " + kBenchModel +
+                          " " + kHotExperts +
                           " --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " + checkpoint + " >&2";
   if (std::system(cmd.c_str()) != 0) {
     std::fprintf(stderr, "bench serve: training failed\n");
@@ -379,8 +384,9 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
               "reference the other schedules are normalised by, as in the Lina paper");
   report.note(std::getenv("MOE_BENCH_CHECKPOINT") && *std::getenv("MOE_BENCH_CHECKPOINT")
                   ? std::string("model: $MOE_BENCH_CHECKPOINT")
-                  : std::string("model: the default model trained here for 200 steps on 2 ranks with ") + kHotExperts +
-                        " (a few experts hot)");
+                  : std::string("model: the default model at ") + kBenchModel +
+                        " (experts F = 4C, about two thirds of the FLOPs), trained here for 300 steps on 2 ranks with " +
+                        kHotExperts + " (a few experts hot)");
   return report.finish(0);
 }
 
