@@ -246,6 +246,21 @@ TEST_F(CliTest, AFailedCheckpointWriteKeepsThePreviousOne) {
 
 // Every benchmark prints through bench/report.h: one header block, tables whose columns carry units,
 // notes; --json the same as one document. `moe bench sim` is the quickest to run.
+// A rebuild while `moe` runs (a bench, a server) replaces the file: /proc/self/exe then reads
+// "PATH (deleted)", which the commands moe builds from it passed to /bin/sh as two words and a
+// parenthesis ("Syntax error: "(" unexpected"). self_exe gives the path of the new file.
+TEST(SelfExe, NamesTheNewFileWhereTheRunningOneWasReplaced) {
+  bool replaced = true;
+  EXPECT_EQ(moe::executable_path("/opt/moe/build/moe", &replaced), "/opt/moe/build/moe");
+  EXPECT_FALSE(replaced);
+  EXPECT_EQ(moe::executable_path("/opt/moe/build/moe (deleted)", &replaced), "/opt/moe/build/moe");
+  EXPECT_TRUE(replaced);
+  EXPECT_EQ(moe::executable_path(" (deleted)", &replaced), " (deleted)");  // a name, not a suffix
+  EXPECT_FALSE(replaced);
+  const std::string me = moe::self_exe("");
+  EXPECT_TRUE(std::filesystem::exists(me)) << me;
+}
+
 TEST(BenchReport, OneFormatInTextAndJson) {
   const Result text = moe::run_shell(std::string(MOE_BIN) + " bench sim --repeats 1 2>/dev/null");
   ASSERT_EQ(text.exit_code, 0) << text.output;

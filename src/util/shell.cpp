@@ -6,12 +6,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 extern char** environ;
@@ -29,10 +31,24 @@ ShellResult run_shell(const std::string& command) {
   return r;
 }
 
+std::string executable_path(const std::string& target, bool* replaced) {
+  static constexpr std::string_view kDeleted = " (deleted)";
+  const bool was = target.size() > kDeleted.size() && target.ends_with(kDeleted);
+  if (replaced) *replaced = was;
+  return was ? target.substr(0, target.size() - kDeleted.size()) : target;
+}
+
 std::string self_exe(const std::string& fallback) {
   char buf[4096];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, n) : fallback;
+  if (n <= 0) return fallback;
+  bool replaced = false;
+  const std::string path = executable_path(std::string(buf, n), &replaced);
+  static std::atomic<bool> said{false};
+  if (replaced && !said.exchange(true))
+    std::fprintf(stderr, "moe: %s was replaced on disk while this process ran (rebuilt?); what it starts from now "
+                         "on is the new file\n", path.c_str());
+  return path;
 }
 
 namespace {

@@ -22,8 +22,13 @@ inline constexpr const char* kMpirunEnv =
 // of its own (put `timeout` in the command).
 ShellResult run_shell(const std::string& command);
 
-// This process's executable (/proc/self/exe), or `fallback` when it cannot be read.
+// This process's executable (/proc/self/exe), or `fallback` when it cannot be read. Where the file was
+// replaced while this process runs (a rebuild), the new file's path, said once on stderr: the link
+// then reads "PATH (deleted)", which a shell command line would choke on.
 std::string self_exe(const std::string& fallback);
+// The executable's path from /proc/self/exe's target: `target` without the " (deleted)" Linux
+// appends once the file was replaced or removed. *replaced (optional): whether it was there.
+std::string executable_path(const std::string& target, bool* replaced = nullptr);
 
 // A command started in the background (`exec COMMAND 2>LOG` through /bin/sh, so the pid is the
 // command's own), for the tests and benchmarks that drive a server: wait for a line in its log, read
