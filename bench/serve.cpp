@@ -14,8 +14,9 @@
 // --repeats interleaved rounds) a fresh server gets the same Poisson arrivals at 70% of it, the load a
 // serving system is sized for (or at --rates CHAT,LONG, without the closed loop: that throughput moved
 // 162-242 req/s between runs on one machine, so runs sat at different distances from saturation), and
-// the client measures each request's latency (arrival to last token) and time to first token (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2
-// re-plans, replicas and the expert weights moved.
+// the client measures each request's latency (arrival to last token) and time to first token
+// (streamed); the server's /metrics gives Lina's estimation accuracy, phase-2 re-plans, replicas and
+// the expert weights moved.
 //
 // The model: $MOE_BENCH_CHECKPOINT if set, else one trained here for 300 steps on 2 ranks (about 5
 // minutes): the default model widened to C256 F1024, so that its experts, F = 4C as GPT-MoE's, carry
@@ -303,7 +304,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
   else
     std::snprintf(load, sizeof load, "70%% of ep's closed-loop %.1f", closed_rate);
   char title[192];
-  std::snprintf(title, sizeof title, "%s: %d-%d prompt bytes, %lld new tokens, %d slots per rank; Poisson arrivals at %.1f req/s (%s)",
+  std::snprintf(title, sizeof title,
+                "%s: %d-%d prompt bytes, %lld new tokens, %d slots per rank; Poisson arrivals at %.1f req/s (%s)",
                 w.name.c_str(), w.prompt_min, w.prompt_max, static_cast<long long>(w.max_tokens), w.slots_per_rank, rate,
                 load);
   report.table(title, {{"schedule", "", 0, 18}, {"requests", "", 0}, {"failed", "", 0}, {"latency p50", "ms", 0},

@@ -15,7 +15,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                              "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "sim", "sim-fidelity",
                              "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
-  c->add_option("--repeats", f->repeats, "timed repetitions or interleaved rounds (the median is reported; default 5, cluster-strategies 2)")->check(CLI::PositiveNumber);
+  c->add_option("--repeats", f->repeats,
+                "timed repetitions or interleaved rounds (the median is reported; default 5, cluster-strategies 2)")
+      ->check(CLI::PositiveNumber);
   c->add_flag("--skip-torch", f->skip_torch, "do not run the PyTorch peer");
   c->add_flag("--json", f->json, "print the report as one JSON document (progress stays on stderr)");
   c->add_option("--report", f->html,
