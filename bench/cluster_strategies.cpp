@@ -209,9 +209,8 @@ int cluster_strategies(const BenchOptions& opt) {
       const size_t fastest = std::min_element(cal_step[c].begin(), cal_step[c].end()) - cal_step[c].begin();
       sim::CalibrationResult fast_cal;
       fast_status = sim::calibrate(cal_runs[c][fastest], ModelConfig{}, &fast_cal, {cores, 1});
-      if (fast_status)
-        fast_status = sim::two_node_cluster(fast_cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0},
-                                            &fast_spec);
+      const sim::LinkSpec nic{cf.nic_bits / 8 / kWireFactor, 0};
+      if (fast_status) fast_status = sim::two_node_cluster(fast_cal, cf.ranks_per_host, nic, &fast_spec);
       if (!fast_status)
         std::fprintf(stderr, "bench cluster-strategies: %s: fastest calibration run: %s\n", cf.name().c_str(),
                      fast_status.message().c_str());

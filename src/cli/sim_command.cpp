@@ -165,7 +165,7 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
   for (const auto& [name, info] : sim::sim_strategies()) strategies += (strategies.empty() ? "" : ", ") + name;
   c->add_option("--strategy", f->strategy, "strategy: " + strategies);
   c->add_option("--load", f->load,
-                "uniform | zipf:S | zipf-drift:S[,RATE] | FILE.jsonl (the metrics of a moe train run: its recorded loads)");
+                "uniform | zipf:S | zipf-drift:S[,RATE] | FILE.jsonl (a moe train run's metrics: its recorded loads)");
   c->add_option("--steps", f->steps, "training steps to simulate");
   c->add_option("--batch", f->batch, "sequences per step over all ranks (a multiple of the ranks)");
   c->add_option("--ranks", f->ranks, "ranks (0: every device of the cluster)");
