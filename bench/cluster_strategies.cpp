@@ -194,26 +194,23 @@ int cluster_strategies(const BenchOptions& opt) {
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
     const int ranks = 2 * cf.ranks_per_host;
-    sim::CalibrationResult cal;
-    sim::ClusterSpec spec;
-    Status spec_status = cal_runs[c].empty() ? Status::error("no calibration run of this configuration's rounds ran")
-                                             : sim::calibrate(cal_runs[c], ModelConfig{}, &cal, {cores, 1});
-    if (spec_status)
-      spec_status = sim::two_node_cluster(cal, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, &spec);
-    if (!spec_status)
-      std::fprintf(stderr, "bench cluster-strategies: %s: %s, no prediction\n", cf.name().c_str(),
-                   spec_status.message().c_str());
-    sim::ClusterSpec fast_spec;  // from the fastest calibration run alone
-    Status fast_status = spec_status;
+    // The two hosts of this configuration, calibrated on `cal`'s runs (said on stderr where that failed).
+    auto calibrated = [&](const std::vector<std::string>& cal, const char* which, sim::ClusterSpec* out) {
+      sim::CalibrationResult fit;
+      Status st = cal.empty() ? Status::error("no calibration run of this configuration's rounds ran")
+                              : sim::calibrate(cal, ModelConfig{}, &fit, {cores, 1});
+      if (st) st = sim::two_node_cluster(fit, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, out);
+      if (!st)
+        std::fprintf(stderr, "bench cluster-strategies: %s: %s: %s, no prediction\n", cf.name().c_str(), which,
+                     st.message().c_str());
+      return st;
+    };
+    sim::ClusterSpec spec, fast_spec;
+    const Status spec_status = calibrated(cal_runs[c], "calibration", &spec);
+    Status fast_status = spec_status;  // from the fastest calibration run alone
     if (fast_status) {
       const size_t fastest = std::min_element(cal_step[c].begin(), cal_step[c].end()) - cal_step[c].begin();
-      sim::CalibrationResult fast_cal;
-      fast_status = sim::calibrate(cal_runs[c][fastest], ModelConfig{}, &fast_cal, {cores, 1});
-      const sim::LinkSpec nic{cf.nic_bits / 8 / kWireFactor, 0};
-      if (fast_status) fast_status = sim::two_node_cluster(fast_cal, cf.ranks_per_host, nic, &fast_spec);
-      if (!fast_status)
-        std::fprintf(stderr, "bench cluster-strategies: %s: fastest calibration run: %s\n", cf.name().c_str(),
-                     fast_status.message().c_str());
+      fast_status = calibrated({cal_runs[c][fastest]}, "fastest calibration run", &fast_spec);
     }
     report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", router skew ", cf.skew),
                  {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},

@@ -244,8 +244,6 @@ TEST_F(CliTest, AFailedCheckpointWriteKeepsThePreviousOne) {
   EXPECT_NE(resumed.output.find("step     4/4"), std::string::npos) << resumed.output;
 }
 
-// Every benchmark prints through bench/report.h: one header block, tables whose columns carry units,
-// notes; --json the same as one document. `moe bench sim` is the quickest to run.
 // A rebuild while `moe` runs (a bench, a server) replaces the file: /proc/self/exe then reads
 // "PATH (deleted)", which the commands moe builds from it passed to /bin/sh as two words and a
 // parenthesis ("Syntax error: "(" unexpected"). self_exe gives the path of the new file.
@@ -261,6 +259,8 @@ TEST(SelfExe, NamesTheNewFileWhereTheRunningOneWasReplaced) {
   EXPECT_TRUE(std::filesystem::exists(me)) << me;
 }
 
+// Every benchmark prints through bench/report.h: one header block, tables whose columns carry units,
+// notes; --json the same as one document. `moe bench sim` is the quickest to run.
 TEST(BenchReport, OneFormatInTextAndJson) {
   const Result text = moe::run_shell(std::string(MOE_BIN) + " bench sim --repeats 1 2>/dev/null");
   ASSERT_EQ(text.exit_code, 0) << text.output;
