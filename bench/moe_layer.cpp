@@ -1,6 +1,10 @@
 // moe bench moe-layer: see bench.h.
+#include <fcntl.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,8 +18,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "bench/bench.h"
 #include "bench/report.h"
 #include "moe/experts.h"
@@ -28,16 +30,17 @@ namespace {
 
 constexpr int64_t kC = 512, kF = 2048, kE = 8, kK = 2, kN = 4096;
 
+double time_ms(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 double median_ms(int repeats, const std::function<void()>& fn) {
   fn();  // warm-up: first-touch pages, GEMM backend probe
   std::vector<double> t;
-  for (int i = 0; i < repeats; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  for (int i = 0; i < repeats; ++i) t.push_back(time_ms(fn));
+  return median(t);
 }
 
 void fill(Tensor& t, uint64_t seed, float scale) {
@@ -109,28 +112,96 @@ std::vector<std::string> peer_coretypes() {
   return c;
 }
 
-// Runs the PyTorch peer with OpenBLAS's kernel `coretype` ("": as OpenBLAS detects); false if it
-// could not run (a kernel this CPU lacks ends the process with SIGILL).
-bool run_peer(const std::string& coretype, int threads, int repeats, double* fwd_ms, double* fwdbwd_ms) {
-  const std::string kernel =
-      coretype.empty() ? "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE" : "env OPENBLAS_CORETYPE=" + coretype;
-  // glibc malloc returns freed blocks above 32 MiB to the OS, so every step of the peer's backward
-  // page-faults its [E,F,C] gradient buffers in again (2.8 s instead of 0.84 s fwd+bwd, measured):
-  // keep freed memory, as the allocators PyTorch's CPU tuning guide recommends do.
-  const std::string malloc_keep = " GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296";
-  std::string cmd = kernel + malloc_keep + " OMP_NUM_THREADS=" + std::to_string(threads) + " /usr/bin/python3 " + torch_peer_script() +
-                    " --threads " + std::to_string(threads) + " --repeats " + std::to_string(repeats) + " 2>/dev/null";
-  std::unique_ptr<FILE, int (*)(FILE*)> p(popen(cmd.c_str(), "r"), pclose);
-  if (!p) return false;
-  std::string out;
-  char buf[512];
-  while (fgets(buf, sizeof buf, p.get())) out += buf;
-  auto j = nlohmann::json::parse(out, nullptr, false);
-  if (j.is_discarded() || !j.contains("forward_ms")) return false;
-  *fwd_ms = j["forward_ms"].get<double>();
-  *fwdbwd_ms = j["forward_backward_ms"].get<double>();
-  return true;
-}
+// The PyTorch peer as a child process (torch_moe_layer_peer.py --serve) with OpenBLAS's kernel
+// `coretype` ("": as OpenBLAS detects it): it times one pass per request, so the bench alternates the
+// peer's passes with moe's and pairs each with one of moe's seconds apart. Unpaired, the two sides
+// met different spells of this machine (its FMA rate moves by up to 2.4x between them, docs/cpus.md)
+// and the ratio moved 1.4-2.7x from run to run. Not thread safe; one request at a time.
+class Peer {
+ public:
+  Peer(const std::string& coretype, int threads) {
+    // The child's environment, made before fork (the child only execs).
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) {
+      const std::string kv = *e;
+      const std::string key = kv.substr(0, kv.find('='));
+      if (key != "OPENBLAS_CORETYPE" && key != "OPENBLAS_L2_SIZE" && key != "GLIBC_TUNABLES" &&
+          key != "OMP_NUM_THREADS")
+        env.push_back(kv);
+    }
+    if (!coretype.empty()) env.push_back("OPENBLAS_CORETYPE=" + coretype);
+    // glibc malloc returns freed blocks above 32 MiB to the OS, so every step of the peer's backward
+    // page-faults its [E,F,C] gradient buffers in again (2.8 s instead of 0.84 s fwd+bwd, measured):
+    // keep freed memory, as the allocators PyTorch's CPU tuning guide recommends do.
+    env.push_back("GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296");
+    env.push_back("OMP_NUM_THREADS=" + std::to_string(threads));
+    const std::string script = torch_peer_script(), nthreads = std::to_string(threads);
+    std::vector<char*> envp, argv;
+    for (std::string& kv : env) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+    for (const char* a : {"/usr/bin/python3", script.c_str(), "--serve", "--threads", nthreads.c_str()})
+      argv.push_back(const_cast<char*>(a));
+    argv.push_back(nullptr);
+    int to_child[2], from_child[2];
+    // Close-on-exec: a peer started later must not hold this one's input open (it would never see EOF).
+    if (pipe2(to_child, O_CLOEXEC) != 0) return;
+    if (pipe2(from_child, O_CLOEXEC) != 0) {
+      close(to_child[0]), close(to_child[1]);
+      return;
+    }
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(to_child[0], 0), dup2(from_child[1], 1);
+      const int devnull = open("/dev/null", O_WRONLY);
+      if (devnull >= 0) dup2(devnull, 2);
+      for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
+      execve(argv[0], argv.data(), envp.data());
+      _exit(127);
+    }
+    close(to_child[0]), close(from_child[1]);
+    if (pid_ < 0) {
+      close(to_child[1]), close(from_child[0]);
+      return;
+    }
+    to_ = fdopen(to_child[1], "w");
+    from_ = fdopen(from_child[0], "r");
+  }
+  ~Peer() {
+    if (to_) std::fclose(to_);  // end of its input: it exits
+    if (from_) std::fclose(from_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+
+  // Blocks until the peer has warmed up; false if it could not run (no torch, or a kernel this CPU
+  // lacks: SIGILL).
+  bool ready() {
+    if (!ready_ && from_) ready_ = read_line() == "ready";
+    return ready_;
+  }
+  // One timed pass ("fwd" or "fwdbwd") in milliseconds, as the peer measured it; NaN if it died.
+  double time_ms(const char* pass) {
+    if (!ready_ || std::fprintf(to_, "%s\n", pass) < 0 || std::fflush(to_) != 0) return std::nan("");
+    const std::string line = read_line();
+    char* end = nullptr;
+    const double ms = std::strtod(line.c_str(), &end);
+    return end != line.c_str() ? ms : std::nan("");
+  }
+
+ private:
+  std::string read_line() {
+    char buf[128];
+    if (!std::fgets(buf, sizeof buf, from_)) return "";
+    std::string line = buf;
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+    return line;
+  }
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+  bool ready_ = false;
+};
 
 }  // namespace
 
@@ -179,16 +250,16 @@ int moe_layer(const BenchOptions& opt) {
   double gemm_flops = 0;
   const std::vector<GemmShape> shapes = expert_gemm_shapes(M, kC, kF);
   for (const GemmShape& g : shapes) gemm_flops += 2.0 * g.M * g.N * g.K;
-  double gemm_rate = 0;
   const std::string chosen = gemm_backend_name();
+  auto gemm_pass_with = [&](const std::string& backend) {
+    for (const GemmShape& g : shapes)
+      gemm_with(backend, g.trans_a, g.trans_b, g.M, g.N, g.K, 1.0f, a.data(), g.trans_a ? g.M : g.K, b.data(),
+                g.trans_b ? g.K : g.N, 0.0f, c.data(), g.N);
+  };
+  auto gemm_pass = [&] { gemm_pass_with(chosen); };
   for (const char* backend : {"onednn", "openblas"}) {
-    double ms = median_ms(opt.repeats, [&] {
-      for (const GemmShape& g : shapes)
-        gemm_with(backend, g.trans_a, g.trans_b, g.M, g.N, g.K, 1.0f, a.data(), g.trans_a ? g.M : g.K, b.data(),
-                  g.trans_b ? g.K : g.N, 0.0f, c.data(), g.N);
-    });
+    double ms = median_ms(opt.repeats, [&] { gemm_pass_with(backend); });
     double rate = gemm_flops / (ms * 1e6);
-    if (backend == chosen) gemm_rate = rate;
     char note[64];
     std::snprintf(note, sizeof note, "%s%.0f%% of FMA peak", backend == chosen ? "in use, the reference; " : "",
                   100 * rate / peak);
@@ -198,13 +269,15 @@ int moe_layer(const BenchOptions& opt) {
   // 2. The MoE layer.
   double expert_flops_fwd = 2.0 * R * kC * kF * 2;
   double router_flops_fwd = 2.0 * kN * kC * kE;
-  double fwd_ms = median_ms(opt.repeats, [&] { layer.forward(y.data(), x.data(), kN); });
-  double fwdbwd_ms = median_ms(opt.repeats, [&] {
+  const std::function<void()> fwd_pass = [&] { layer.forward(y.data(), x.data(), kN); };
+  const std::function<void()> fwdbwd_pass = [&] {
     for (Param* p : layer.params()) p->grad.zero();
     dx.zero();
     layer.forward(y.data(), x.data(), kN);
     layer.backward(dx.data(), dy.data());
-  });
+  };
+  const double fwd_ms = median_ms(opt.repeats, fwd_pass);
+  const double fwdbwd_ms = median_ms(opt.repeats, fwdbwd_pass);
   char load[64];
   std::snprintf(load, sizeof load, "%lld rows, expert load max/mean %.2f", (long long)R, max_rows / (double(R) / kE));
   row("MoE layer forward", fwd_ms, kN / (fwd_ms * 1e-3), (expert_flops_fwd + router_flops_fwd) / (fwd_ms * 1e6), load);
@@ -222,46 +295,106 @@ int moe_layer(const BenchOptions& opt) {
     if (p->name == "moe.w2") w2 = p;
   }
   if (!w1 || !w2) throw std::logic_error("bench: MoE layer has no moe.w1 / moe.w2");
-  double experts_ms = median_ms(opt.repeats, [&] {
+  auto experts_pass = [&] {
     experts_forward(out.data(), h1.data(), nullptr, act.data(), xp.data(), r.expert_offset.data(), w1->value.data(),
                     w2->value.data(), nullptr, s);
     experts_backward(dxp.data(), w1->grad.data(), w2->grad.data(), nullptr, dact.data(), dh1.data(), nullptr,
                      dout.data(), xp.data(), h1.data(), nullptr, act.data(), r.expert_offset.data(),
                      w1->value.data(), w2->value.data(), nullptr, s);
-  });
+  };
+  // Each pass paired with one of the reference GEMMs right before it: their ratio, pass by pass, is
+  // what the machine's spells leave alone.
+  experts_pass();
+  std::vector<double> experts_times, experts_shares;
+  for (int i = 0; i < opt.repeats; ++i) {
+    const double gemm_ms = time_ms(gemm_pass);
+    const double ms = time_ms(experts_pass);
+    experts_times.push_back(ms);
+    experts_shares.push_back((3 * expert_flops_fwd / ms) / (gemm_flops / gemm_ms));
+  }
+  const double experts_ms = median(experts_times);
   double experts_rate = 3 * expert_flops_fwd / (experts_ms * 1e6);
-  char note[64];
-  std::snprintf(note, sizeof note, "%.0f%% of the GEMM rate", 100 * experts_rate / gemm_rate);
+  char note[96];
+  std::snprintf(note, sizeof note, "%.0f%% of the GEMM rate (paired, %.0f-%.0f%%)", 100 * median(experts_shares),
+                100 * *std::min_element(experts_shares.begin(), experts_shares.end()),
+                100 * *std::max_element(experts_shares.begin(), experts_shares.end()));
   row("experts fwd+bwd (GEMM chains + activation)", experts_ms, kN / (experts_ms * 1e-3), experts_rate, note);
   std::snprintf(note, sizeof note, "experts are %.0f%% of layer time", 100 * experts_ms / fwdbwd_ms);
   row("  rest of the layer (router, permute, combine)", fwdbwd_ms - experts_ms, nan, nan, note);
   report.note("goal (the project's, not measured): experts >= 85% of the GEMM rate; the layer >= 2x the PyTorch "
               "peer at its best kernel, forward+backward");
 
-  // 4. The PyTorch peer, at its best of the OpenBLAS kernels this CPU runs.
+  // 4. The PyTorch peer at each OpenBLAS kernel this CPU runs, all of them started at once and taking
+  //    turns, each of its passes paired with one of moe's right before or after it (the order
+  //    alternating by round, so a drift weighs on both sides alike). The reference is the kernel
+  //    with the lowest median paired ratio.
   if (opt.skip_torch) return report.finish(0);
-  double best_fwd = 0, best_fb = 0;
-  std::string best_core;
-  report.table("the PyTorch peer (bench/torch_moe_layer_peer.py), each OpenBLAS kernel this CPU runs",
-               {{"measurement", "", 0, 46}, {"time", "ms"}, {"tokens/s", "1/s", 0}, {"rate", "GFLOP/s", 1}, {"kernel", ""}});
+  signal(SIGPIPE, SIG_IGN);  // a peer that dies shows as a failed pass, not as the end of the bench
+  struct PeerRuns {
+    std::string core, label;
+    std::unique_ptr<Peer> peer;
+    bool died = false;
+    std::vector<double> moe_ms[2], peer_ms[2], ratio[2];  // [0] forward, [1] forward+backward
+  };
+  std::vector<PeerRuns> peers;
   for (const std::string& core : peer_coretypes()) {
-    double f, fb;
-    const std::string label = core.empty() ? std::string("OpenBLAS's own detection") : "OPENBLAS_CORETYPE=" + core;
-    if (!run_peer(core, opt.threads, opt.repeats, &f, &fb)) {
-      row("PyTorch peer fwd+bwd", nan, nan, nan, label + ": did not run");
+    PeerRuns& p = peers.emplace_back();
+    p.core = core;
+    p.label = core.empty() ? std::string("OpenBLAS's own detection") : "OPENBLAS_CORETYPE=" + core;
+    p.peer = std::make_unique<Peer>(core, opt.threads);
+  }
+  for (PeerRuns& p : peers)
+    if (!p.peer->ready()) p.died = true;
+  const char* const pass_name[2] = {"fwd", "fwdbwd"};
+  const std::function<void()>* const moe_pass[2] = {&fwd_pass, &fwdbwd_pass};
+  for (int round = 0; round < opt.repeats; ++round) {
+    for (PeerRuns& p : peers) {
+      for (int k = 0; k < 2 && !p.died; ++k) {
+        double moe_ms = 0, peer_ms = 0;
+        if (round % 2 == 0) {
+          moe_ms = time_ms(*moe_pass[k]);
+          peer_ms = p.peer->time_ms(pass_name[k]);
+        } else {
+          peer_ms = p.peer->time_ms(pass_name[k]);
+          moe_ms = time_ms(*moe_pass[k]);
+        }
+        if (std::isnan(peer_ms)) {
+          p.died = true;
+          break;
+        }
+        p.moe_ms[k].push_back(moe_ms), p.peer_ms[k].push_back(peer_ms), p.ratio[k].push_back(peer_ms / moe_ms);
+      }
+    }
+  }
+  const double layer_flops = 3 * (expert_flops_fwd + router_flops_fwd);
+  report.table("the PyTorch peer (bench/torch_moe_layer_peer.py) at each OpenBLAS kernel this CPU runs, "
+               "forward+backward",
+               {{"kernel", "", 0, 30}, {"time", "ms"}, {"tokens/s", "1/s", 0}, {"rate", "GFLOP/s", 1},
+                {"peer time / moe time, paired", "x"}});
+  const PeerRuns* best = nullptr;
+  for (const PeerRuns& p : peers) {
+    if (p.died) {
+      report.row({p.label + ": did not run", nan, nan, nan, nan});
       continue;
     }
-    row("PyTorch peer fwd+bwd", fb, kN / (fb * 1e-3), 3 * (expert_flops_fwd + router_flops_fwd) / (fb * 1e6), label);
-    if (best_fb == 0 || fb < best_fb) best_fwd = f, best_fb = fb, best_core = core.empty() ? "detected" : core;
+    const double ms = median(p.peer_ms[1]);
+    report.row({p.label, ms, kN / (ms * 1e-3), layer_flops / (ms * 1e6), median(p.ratio[1])});
+    if (!best || median(p.ratio[1]) < median(best->ratio[1])) best = &p;
   }
-  if (best_fb == 0) {
+  if (!best) {
     report.note("PyTorch peer could not run (/usr/bin/python3 with torch: scripts/setup.sh --test)");
     return report.finish(1);
   }
-  report.table("moe against the PyTorch peer at its best kernel (" + best_core + ")",
-               {{"pass", ""}, {"moe", "tokens/s", 0}, {"peer", "tokens/s", 0}, {"peer time / moe time", "x"}});
-  report.row({std::string("forward"), kN / (fwd_ms * 1e-3), kN / (best_fwd * 1e-3), best_fwd / fwd_ms});
-  report.row({std::string("forward+backward"), kN / (fwdbwd_ms * 1e-3), kN / (best_fb * 1e-3), best_fb / fwdbwd_ms});
+  report.table("moe against the PyTorch peer at its best kernel (" + (best->core.empty() ? "detected" : best->core) +
+                   "), " + std::to_string(best->ratio[1].size()) + " paired passes",
+               {{"pass", ""}, {"moe", "tokens/s", 0}, {"peer", "tokens/s", 0}, {"peer time / moe time", "x"},
+                {"lowest pair", "x"}, {"highest pair", "x"}});
+  for (int k = 0; k < 2; ++k) {
+    const std::vector<double>& ratio = best->ratio[k];
+    report.row({std::string(k == 0 ? "forward" : "forward+backward"), kN / (median(best->moe_ms[k]) * 1e-3),
+                kN / (median(best->peer_ms[k]) * 1e-3), median(ratio), *std::min_element(ratio.begin(), ratio.end()),
+                *std::max_element(ratio.begin(), ratio.end())});
+  }
   return report.finish(0);
 }
 

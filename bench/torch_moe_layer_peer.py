@@ -4,13 +4,17 @@
 Router linear -> softmax -> top-k -> renormalized gate weights, then a loop over experts with
 index_select / index_add_ (as fastmoe-less PyTorch code and many tutorials do). Prints one JSON
 line with the median forward and forward+backward times. Run by `moe bench moe-layer` with Debian's
-python3-torch on the CPU (the benchmark sets OPENBLAS_CORETYPE for this process only), and by
+python3-torch on the CPU (the benchmark sets OPENBLAS_CORETYPE for this process only) with `--serve`:
+after its warm-ups it prints "ready", then times one pass for each line "fwd" or "fwdbwd" it reads
+and prints the milliseconds, so the benchmark can alternate the peer's passes with its own and pair
+each with one of moe's seconds apart (this machine's speed moves by up to 2x between spells). And by
 `moe bench cuda` with `--device cuda --dtype bf16` on the GPU, where `--impl grouped_mm` also times
 the experts as torch._grouped_mm calls (PyTorch's fused grouped GEMM) instead of the loop.
 """
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -70,6 +74,19 @@ def median_ms(fn, repeats, sync):
     return statistics.median(times)
 
 
+def serve(passes, sync):
+    for fn in passes.values():  # warm-up
+        fn()
+    sync()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        fn = passes[line.strip()]
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        print(f"{(time.perf_counter() - t0) * 1e3:.4f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--d-model", type=int, default=512)
@@ -82,6 +99,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--impl", default="loop", choices=["loop", "grouped_mm"])
+    ap.add_argument("--serve", action="store_true", help="time one pass per stdin line (fwd | fwdbwd)")
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(a.threads)
@@ -101,6 +119,9 @@ def main():
         x.grad = None
         layer(x, a.impl).backward(dy)
 
+    if a.serve:
+        serve({"fwd": fwd, "fwdbwd": fwd_bwd}, sync)
+        return
     print(json.dumps({"forward_ms": median_ms(fwd, a.repeats, sync),
                       "forward_backward_ms": median_ms(fwd_bwd, a.repeats, sync),
                       "torch": torch.__version__, "threads": torch.get_num_threads(), "impl": a.impl,
