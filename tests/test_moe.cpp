@@ -2,12 +2,14 @@
 // finite-difference gradients, capacity dropping, layout invariants and the router losses'
 // closed forms. Every case prints its max error.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <new>
 #include <numeric>
@@ -547,6 +549,66 @@ TEST(MoeExperts, StandaloneOffsets) {
   for (int64_t i = 0; i < 2 * kC; ++i) EXPECT_EQ(out[i], 123.0f);  // rows before off[0] untouched
   std::printf("[experts standalone] max err %.3g\n", max_err);
   EXPECT_LT(max_err, 1e-5);
+}
+
+// Experts spread one per thread (experts_thread_plan) compute what one thread computes, bit for bit:
+// every GEMM and activation of an expert then runs on a single thread either way. Shapes large enough
+// that oneDNN splits each GEMM over 2 threads when the experts run in turn; offsets that do not start
+// at 0, an expert with no rows. With skewed rows the plan is empty and the experts run in turn.
+TEST(MoeExperts, OnePerThreadEqualsOneThread) {
+  pin_gemm_backend("onednn", "test: the plan runs one expert per thread with oneDNN only");
+  constexpr int64_t C = 64, F = 256, E = 5;
+  for (const Activation act_kind : {Activation::gelu, Activation::swiglu}) {
+    const ExpertShape s{E, C, F, act_kind};
+    const bool swiglu = act_kind == Activation::swiglu;
+    for (const bool balanced : {true, false}) {
+      // rows per expert: balanced {96, 0, 96, 96, 96} (two threads: 192 each), skewed {300, 0, 20, 40, 24}
+      const std::vector<int64_t> off = balanced ? std::vector<int64_t>{8, 104, 104, 200, 296, 392}
+                                                : std::vector<int64_t>{8, 308, 308, 328, 368, 392};
+      const int64_t R = off[E];
+      std::vector<float> w1(E * F * C), w2(E * C * F), w3(E * F * C), xp(R * C), dout(R * C);
+      fill_normal(w1.data(), w1.size(), 11, 0.1f);
+      fill_normal(w2.data(), w2.size(), 12, 0.1f);
+      fill_normal(w3.data(), w3.size(), 13, 0.1f);
+      fill_normal(xp.data(), xp.size(), 14);
+      fill_normal(dout.data(), dout.size(), 15);
+      struct Result {
+        std::vector<float> out, dxp, dw1, dw2, dw3;
+        size_t plan_threads = 0;
+      };
+      auto run = [&](int threads) {
+        const int before = omp_get_max_threads();
+        omp_set_num_threads(threads);
+        Result r{std::vector<float>(R * C), std::vector<float>(R * C), std::vector<float>(E * F * C),
+                 std::vector<float>(E * C * F), std::vector<float>(E * F * C)};
+        r.plan_threads = experts_thread_plan(off.data(), E).size();
+        std::vector<float> h1(R * F), h3(R * F), act(R * F), dact(R * F), dh1(R * F), dh3(R * F);
+        experts_forward(r.out.data(), h1.data(), swiglu ? h3.data() : nullptr, act.data(), xp.data(), off.data(),
+                        w1.data(), w2.data(), swiglu ? w3.data() : nullptr, s);
+        experts_backward(r.dxp.data(), r.dw1.data(), r.dw2.data(), swiglu ? r.dw3.data() : nullptr, dact.data(),
+                         dh1.data(), swiglu ? dh3.data() : nullptr, dout.data(), xp.data(), h1.data(),
+                         swiglu ? h3.data() : nullptr, act.data(), off.data(), w1.data(), w2.data(),
+                         swiglu ? w3.data() : nullptr, s);
+        omp_set_num_threads(before);
+        return r;
+      };
+      const Result one = run(1), two = run(2);
+      EXPECT_EQ(one.plan_threads, 0u);
+      EXPECT_EQ(two.plan_threads, balanced ? 2u : 0u) << (balanced ? "balanced" : "skewed");
+      double max_diff = 0;
+      for (auto member : {&Result::out, &Result::dxp, &Result::dw1, &Result::dw2, &Result::dw3}) {
+        const std::vector<float>&a = one.*member, &b = two.*member;
+        for (size_t i = 0; i < a.size(); ++i)
+          max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[i] - b[i])));
+        if (balanced) {
+          EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+        }
+      }
+      std::printf("[experts one per thread] %s, %s rows: 2 threads vs 1, max diff %.3g\n", swiglu ? "swiglu" : "gelu",
+                  balanced ? "balanced" : "skewed", max_diff);
+      EXPECT_LT(max_diff, 1e-4);
+    }
+  }
 }
 
 // ---- router losses: closed forms ------------------------------------------------------------------

@@ -1,11 +1,62 @@
 #include "moe/experts.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstring>
+#include <exception>
+#include <numeric>
 #include <stdexcept>
 
 #include "tensor/ops.h"
 
 namespace moe {
+
+// Which experts each thread runs when the experts are spread over the threads, one expert per thread
+// at a time with each of its GEMMs on that thread alone; empty: run them one after another, each GEMM
+// on all threads. On 2 threads one expert per thread ran faster than each GEMM split over both, whose
+// halves wait for each other (2026-11-27, docs/cpus.md; oneDNN): the 6 expert GEMMs at 1024 rows by
+// 6% (median of 30 interleaved rounds), bench moe-layer's experts forward by 10-13% and backward by
+// 1-4% (calls alternating between the two ways, 2 runs). Taken only where the experts' rows split over
+// the threads within 3% of even (largest first, each to the least-loaded thread; deterministic), else
+// the busiest thread would cost more than the split GEMMs save, and only with oneDNN, which runs a
+// GEMM called inside an OpenMP region on its calling thread (OpenBLAS keeps its own thread pool).
+namespace {
+// experts_thread_plan without allocating once warm (the layer allocates nothing after its first step):
+// the experts by rows, largest first, in `order`, and each one's thread in `thread_of` (-1: no rows),
+// in buffers kept per calling thread. False: run the experts in turn.
+bool plan_experts(const int64_t* off, int64_t E, std::vector<int64_t>& order, std::vector<int>& thread_of,
+                  std::vector<int64_t>& load) {
+  const int threads = omp_get_max_threads();
+  if (threads < 2 || E < threads || gemm_backend_name() != "onednn") return false;
+  order.resize(static_cast<size_t>(E));
+  std::iota(order.begin(), order.end(), 0);
+  auto rows = [&](int64_t e) { return off[e + 1] - off[e]; };
+  // Ties by index; std::sort, as stable_sort takes a buffer from the heap.
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return rows(a) != rows(b) ? rows(a) > rows(b) : a < b; });
+  thread_of.assign(static_cast<size_t>(E), -1);
+  load.assign(static_cast<size_t>(threads), 0);
+  for (int64_t e : order) {
+    if (rows(e) == 0) continue;
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    thread_of[static_cast<size_t>(e)] = static_cast<int>(t);
+    load[static_cast<size_t>(t)] += rows(e);
+  }
+  const int64_t total = off[E] - off[0], busiest = *std::max_element(load.begin(), load.end());
+  return total > 0 && busiest * threads <= total * 103 / 100;
+}
+}  // namespace
+
+std::vector<std::vector<int64_t>> experts_thread_plan(const int64_t* off, int64_t E) {
+  std::vector<int64_t> order, load;
+  std::vector<int> thread_of;
+  if (!plan_experts(off, E, order, thread_of, load)) return {};
+  std::vector<std::vector<int64_t>> plan(load.size());
+  for (int64_t e : order)
+    if (const int t = thread_of[static_cast<size_t>(e)]; t >= 0) plan[static_cast<size_t>(t)].push_back(e);
+  return plan;
+}
 
 namespace {
 void check(const int64_t* off, const ExpertShape& s, const void* h3, const void* w3) {
@@ -14,6 +65,37 @@ void check(const int64_t* off, const ExpertShape& s, const void* h3, const void*
   if (s.activation == Activation::swiglu && (!h3 || !w3))
     throw std::logic_error("experts: SwiGLU REQUIRES h3 and w3");
 }
+
+// Calls one(e) for every expert with rows: spread over the threads where experts_thread_plan says so,
+// else in order. An exception from one(e) reaches the caller (the first, by thread).
+template <typename Fn>
+void for_each_expert(const int64_t* off, int64_t E, const Fn& one) {
+  thread_local std::vector<int64_t> order, load;
+  thread_local std::vector<int> thread_of;
+  thread_local std::vector<std::exception_ptr> failed;
+  failed.assign(static_cast<size_t>(omp_get_max_threads()), nullptr);  // sized on any call: warm after one
+  if (!plan_experts(off, E, order, thread_of, load)) {
+    for (int64_t e = 0; e < E; ++e)
+      if (off[e + 1] > off[e]) one(e);
+    return;
+  }
+  // The team reads this thread's buffers (a thread_local named inside the region is the worker's own).
+  const std::vector<int64_t>& by_rows = order;
+  const std::vector<int>& owner = thread_of;
+  std::vector<std::exception_ptr>& errors = failed;
+#pragma omp parallel num_threads(static_cast<int>(load.size()))
+  {
+    const int t = omp_get_thread_num();
+    try {
+      for (int64_t e : by_rows)
+        if (owner[static_cast<size_t>(e)] == t) one(e);
+    } catch (...) {
+      errors[static_cast<size_t>(t)] = std::current_exception();
+    }
+  }
+  for (const std::exception_ptr& f : errors)
+    if (f) std::rethrow_exception(f);
+}
 }  // namespace
 
 void experts_forward(float* out, float* h1, float* h3, float* act, const float* xp, const int64_t* off,
@@ -21,9 +103,8 @@ void experts_forward(float* out, float* h1, float* h3, float* act, const float* 
   check(off, s, h3, w3);
   const int64_t C = s.C, F = s.F;
   const bool swiglu = s.activation == Activation::swiglu;
-  for (int64_t e = 0; e < s.E; ++e) {
+  for_each_expert(off, s.E, [&](int64_t e) {
     const int64_t r0 = off[e], n = off[e + 1] - off[e];
-    if (n == 0) continue;
     const float* x = xp + r0 * C;
     float* a = act + r0 * F;
     float* g = h1 + r0 * F;
@@ -36,7 +117,7 @@ void experts_forward(float* out, float* h1, float* h3, float* act, const float* 
       gelu_forward(a, g, n * F);
     }
     linear_forward(out + r0 * C, a, w2 + e * C * F, n, F, C);
-  }
+  });
 }
 
 void experts_backward(float* dxp, float* dw1, float* dw2, float* dw3, float* dact, float* dh1, float* dh3,
@@ -46,9 +127,8 @@ void experts_backward(float* dxp, float* dw1, float* dw2, float* dw3, float* dac
   if (s.activation == Activation::swiglu && !dh3) throw std::logic_error("experts_backward: SwiGLU REQUIRES dh3");
   const int64_t C = s.C, F = s.F;
   const bool swiglu = s.activation == Activation::swiglu;
-  for (int64_t e = 0; e < s.E; ++e) {
+  for_each_expert(off, s.E, [&](int64_t e) {
     const int64_t r0 = off[e], n = off[e + 1] - off[e];
-    if (n == 0) continue;
     const float* dy = dout + r0 * C;
     const float* x = xp + r0 * C;
     const float* w1e = w1 + e * F * C;
@@ -78,7 +158,7 @@ void experts_backward(float* dxp, float* dw1, float* dw2, float* dw3, float* dac
       gemm(false, false, n, C, F, 1.0f, du, F, w3e, C, 1.0f, dx, C);
       if (dw3) linear_backward(nullptr, dw3 + e * F * C, du, x, w3e, n, C, F);
     }
-  }
+  });
 }
 
 std::vector<GemmShape> expert_gemm_shapes(int64_t rows, int64_t C, int64_t F) {

@@ -8,6 +8,10 @@
 //   SwiGLU: h1 = xp @ w1[e]^T; h3 = xp @ w3[e]^T; act = silu(h1) * h3;  out = act @ w2[e]^T
 // Weights: w1 [E,F,C], w2 [E,C,F], w3 [E,F,C] (PyTorch Linear layout per expert).
 // Only rows [off[0], off[E]) of the row buffers are read or written.
+// Threads: where the experts' rows split evenly over OpenMP's threads (within 3%) and the GEMM kernel
+// is oneDNN, each thread runs whole experts, every GEMM of an expert on its thread; else the experts
+// run in turn with each GEMM on all threads (experts.cpp says why). Either way the results do not
+// depend on which thread runs an expert; with one expert per thread, they equal a 1-thread run's.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +42,12 @@ void experts_backward(float* dxp /*[R,C]*/, float* dw1 /*[E,F,C]*/, float* dw2 /
                       float* dh3 /*[R,F] or null*/, const float* dout /*[R,C]*/, const float* xp /*[R,C]*/,
                       const float* h1, const float* h3, const float* act, const int64_t* off /*[E+1]*/,
                       const float* w1, const float* w2, const float* w3, const ExpertShape& s);
+
+// Which experts each of OpenMP's threads runs (largest first, each to the least-loaded thread), where
+// experts_forward / experts_backward run one expert per thread; empty where they run the experts in
+// turn, each GEMM on all threads (fewer than 2 threads, fewer experts than threads, rows more than 3%
+// from even, or a GEMM kernel other than oneDNN). Experts without rows are in no list.
+std::vector<std::vector<int64_t>> experts_thread_plan(const int64_t* off /*[E+1]*/, int64_t E);
 
 // The six GEMMs one GELU expert runs per step on `rows` rows (forward 2, backward 4), as
 // experts_forward / experts_backward call them: what the GEMM kernel is chosen and benchmarked on.
