@@ -12,19 +12,18 @@
 
 namespace moe {
 
-// Which experts each thread runs when the experts are spread over the threads, one expert per thread
-// at a time with each of its GEMMs on that thread alone; empty: run them one after another, each GEMM
-// on all threads. On 2 threads one expert per thread ran faster than each GEMM split over both, whose
+namespace {
+// Experts one per thread, each GEMM of an expert on its thread, or in turn with each GEMM on all
+// threads. On 2 threads one expert per thread ran faster than each GEMM split over both, whose
 // halves wait for each other (2026-11-27, docs/cpus.md; oneDNN): the 6 expert GEMMs at 1024 rows by
 // 6% (median of 30 interleaved rounds), bench moe-layer's experts forward by 10-13% and backward by
 // 1-4% (calls alternating between the two ways, 2 runs). Taken only where the experts' rows split over
 // the threads within 3% of even (largest first, each to the least-loaded thread; deterministic), else
 // the busiest thread would cost more than the split GEMMs save, and only with oneDNN, which runs a
 // GEMM called inside an OpenMP region on its calling thread (OpenBLAS keeps its own thread pool).
-namespace {
-// experts_thread_plan without allocating once warm (the layer allocates nothing after its first step):
-// the experts by rows, largest first, in `order`, and each one's thread in `thread_of` (-1: no rows),
-// in buffers kept per calling thread. False: run the experts in turn.
+// This plans it without allocating once warm (the layer allocates nothing after its first step): the
+// experts by rows, largest first, in `order`, each one's thread in `thread_of` (-1: no rows), in
+// buffers the caller keeps. False: run the experts in turn.
 bool plan_experts(const int64_t* off, int64_t E, std::vector<int64_t>& order, std::vector<int>& thread_of,
                   std::vector<int64_t>& load) {
   const int threads = omp_get_max_threads();
@@ -46,19 +45,7 @@ bool plan_experts(const int64_t* off, int64_t E, std::vector<int64_t>& order, st
   const int64_t total = off[E] - off[0], busiest = *std::max_element(load.begin(), load.end());
   return total > 0 && busiest * threads <= total * 103 / 100;
 }
-}  // namespace
 
-std::vector<std::vector<int64_t>> experts_thread_plan(const int64_t* off, int64_t E) {
-  std::vector<int64_t> order, load;
-  std::vector<int> thread_of;
-  if (!plan_experts(off, E, order, thread_of, load)) return {};
-  std::vector<std::vector<int64_t>> plan(load.size());
-  for (int64_t e : order)
-    if (const int t = thread_of[static_cast<size_t>(e)]; t >= 0) plan[static_cast<size_t>(t)].push_back(e);
-  return plan;
-}
-
-namespace {
 void check(const int64_t* off, const ExpertShape& s, const void* h3, const void* w3) {
   for (int64_t e = 0; e < s.E; ++e)
     if (off[e + 1] < off[e]) throw std::logic_error("experts: REQUIRES non-decreasing offsets");
@@ -66,7 +53,7 @@ void check(const int64_t* off, const ExpertShape& s, const void* h3, const void*
     throw std::logic_error("experts: SwiGLU REQUIRES h3 and w3");
 }
 
-// Calls one(e) for every expert with rows: spread over the threads where experts_thread_plan says so,
+// Calls one(e) for every expert with rows: spread over the threads where plan_experts says so,
 // else in order. An exception from one(e) reaches the caller (the first, by thread).
 template <typename Fn>
 void for_each_expert(const int64_t* off, int64_t E, const Fn& one) {
@@ -97,6 +84,16 @@ void for_each_expert(const int64_t* off, int64_t E, const Fn& one) {
     if (f) std::rethrow_exception(f);
 }
 }  // namespace
+
+std::vector<std::vector<int64_t>> experts_thread_plan(const int64_t* off, int64_t E) {
+  std::vector<int64_t> order, load;
+  std::vector<int> thread_of;
+  if (!plan_experts(off, E, order, thread_of, load)) return {};
+  std::vector<std::vector<int64_t>> plan(load.size());
+  for (int64_t e : order)
+    if (const int t = thread_of[static_cast<size_t>(e)]; t >= 0) plan[static_cast<size_t>(t)].push_back(e);
+  return plan;
+}
 
 void experts_forward(float* out, float* h1, float* h3, float* act, const float* xp, const int64_t* off,
                      const float* w1, const float* w2, const float* w3, const ExpertShape& s) {
