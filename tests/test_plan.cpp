@@ -241,6 +241,81 @@ TEST(Dispatch, ConservesTokensOnMaterializedZipfPlacements) {
   }
 }
 
+TEST(Dispatch, EvenGivesEveryHolderAnEqualShareMovingOnlyWhatItMust) {
+  // 2 ranks, expert 0 on both: rank 0 routes 90 tokens to it, rank 1 10. Nearest keeps them home
+  // (90 / 10); even gives each holder 50, so rank 0 sends 40 of its own to rank 1's replica.
+  LayerPlacement p = even_placement(2, 2);
+  p.replicas[0] = {0, 1};
+  const Counts counts = {{90, 3}, {10, 5}};
+  const auto nearest = dispatch_plan(p, uniform_nodes(2, 1), counts, DispatchRule::nearest);
+  EXPECT_EQ(received_tokens(nearest), (std::vector<int64_t>{90, 18}));
+  const auto rows = dispatch_plan(p, uniform_nodes(2, 1), counts, DispatchRule::even);
+  EXPECT_EQ(rows[0][0], (std::vector<int64_t>{50, 40}));
+  EXPECT_EQ(rows[1][0], (std::vector<int64_t>{0, 10}));
+  EXPECT_EQ(rows[0][1], (std::vector<int64_t>{0, 3}));  // expert 1: its owner only, as under nearest
+  EXPECT_EQ(rows[1][1], (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(received_tokens(rows), (std::vector<int64_t>{50, 58}));
+  // Without replicas the rules agree.
+  const LayerPlacement ep = even_placement(2, 2);
+  EXPECT_EQ(dispatch_plan(ep, uniform_nodes(2, 1), counts, DispatchRule::even),
+            dispatch_plan(ep, uniform_nodes(2, 1), counts, DispatchRule::nearest));
+}
+
+TEST(Dispatch, EvenFillsSameNodeHoldersFirstAndRotatesRemaindersByExpert) {
+  // Nodes {0, 1, 1, 0}; expert 0 on ranks 0 (node 0) and 1 (node 1), shares 4 / 4. Ranks 2 (node 1)
+  // and 3 (node 0) send 4 each: each to its own node's holder, though ascending order alone would
+  // send rank 2's to rank 0.
+  LayerPlacement p = even_placement(4, 4);
+  p.replicas[0] = {0, 1};
+  // Expert 1 on {0, 1, 2}: 11 tokens = 3 * 3 + 2, the extras to holders (1 + 0) % 3 and (1 + 1) % 3
+  // of the list, ranks 1 and 2: shares 3 / 4 / 4, filled by rank 3 after its node's rank 0.
+  p.replicas[1] = {0, 1, 2};
+  Counts counts(4, std::vector<int64_t>(4, 0));
+  counts[2][0] = 4;
+  counts[3][0] = 4;
+  counts[3][1] = 11;
+  const auto rows = dispatch_plan(p, Nodes{{0, 1, 1, 0}}, counts, DispatchRule::even);
+  EXPECT_EQ(rows[2][0], (std::vector<int64_t>{0, 4, 0, 0}));
+  EXPECT_EQ(rows[3][0], (std::vector<int64_t>{4, 0, 0, 0}));
+  EXPECT_EQ(rows[3][1], (std::vector<int64_t>{3, 4, 4, 0}));
+}
+
+TEST(Dispatch, EvenConservesTokensAndBalancesHoldersOnZipfPlacements) {
+  const int R = 8, E = 16;
+  const Nodes nodes = uniform_nodes(R, 4);
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    const Counts counts = zipf_counts(R, E, 400, 1.2, seed);
+    const LayerPlacement p =
+        sparse_materialize(even_placement(E, R), as_loads(column_sums(counts)), 2 + seed % 6, 1 + seed % 3, nodes);
+    const auto rows = dispatch_plan(p, nodes, counts, DispatchRule::even);
+    for (int e = 0; e < E; ++e) {
+      int64_t total = 0, kept_home = 0, home_bound = 0;
+      std::vector<int64_t> per_holder(R, 0);
+      for (int s = 0; s < R; ++s) {
+        const auto& to = rows[s][e];
+        EXPECT_EQ(std::accumulate(to.begin(), to.end(), int64_t{0}), counts[s][e]);
+        for (int d = 0; d < R; ++d) {
+          if (to[d] > 0) {
+            EXPECT_TRUE(p.holds(d, e)) << "seed " << seed << ": tokens to a rank without expert " << e;
+          }
+          per_holder[d] += to[d];
+        }
+        total += counts[s][e];
+        kept_home += to[s];
+      }
+      std::vector<int64_t> shares;
+      for (int d : p.replicas[e]) shares.push_back(per_holder[d]);
+      const auto [lo, hi] = std::minmax_element(shares.begin(), shares.end());
+      EXPECT_LE(*hi - *lo, 1) << "seed " << seed << ", expert " << e;
+      // No token crosses ranks that an even split lets stay home.
+      for (int d : p.replicas[e]) home_bound += std::min(counts[d][e], per_holder[d]);
+      EXPECT_EQ(kept_home, home_bound) << "seed " << seed << ", expert " << e;
+      EXPECT_EQ(std::accumulate(per_holder.begin(), per_holder.end(), int64_t{0}), total);
+    }
+    EXPECT_EQ(rows, dispatch_plan(p, nodes, counts, DispatchRule::even));  // deterministic
+  }
+}
+
 TEST(Dispatch, RejectsBadInputs) {
   const LayerPlacement p = even_placement(2, 2);
   const Nodes nodes = uniform_nodes(2, 1);

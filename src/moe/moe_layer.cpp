@@ -352,7 +352,7 @@ void MoeLayer::plan_exchange(TokenExchange* ex) {
       throw std::logic_error(str_cat("MoeLayer: rank ", me, " keeps ", routing_.tokens_per_expert[e],
                                      " rows of expert ", e, ", the synced counts say ", kept[me][e]));
   if (padded_) return plan_padded_exchange(ex, kept);
-  ex->rows = plan::dispatch_plan(placement_, nodes_, kept);
+  ex->rows = plan::dispatch_plan(placement_, nodes_, kept, dispatch_rule_);
   const auto& rows = ex->rows;
   // My rows destination-major: experts ascending within a destination, expert e's rows split over its
   // destinations in ascending rank order.

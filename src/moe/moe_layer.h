@@ -194,6 +194,11 @@ class MoeLayer {
   // ep_materialize of this layer runs (the runtime orders them: graph/ep_builder.h).
   void set_placement(const plan::LayerPlacement& p);
   const plan::LayerPlacement& placement() const { return placement_; }
+  // How tokens are spread over an expert's replicas (plan::DispatchRule): nearest (the default,
+  // Hecate's: a replica on the token's rank, else its node) or even (Lina's: every holder an equal
+  // share of the expert's tokens). The same on every rank; not between ep_gate_sync and ep_combine.
+  void set_dispatch_rule(plan::DispatchRule rule) { dispatch_rule_ = rule; }
+  plan::DispatchRule dispatch_rule() const { return dispatch_rule_; }
   // Inference with a cache of replicas (weights never change): tokens go where p says, and the
   // replicas held now that p does not use stay held, receiving no rows (retain_replicas drops them);
   // the next ep_materialize gathers only p's replicas not held. The same value on every rank.
@@ -287,6 +292,7 @@ class MoeLayer {
   void ensure_replica_slots(int64_t slots);     // grows the slot buffers, keeping their contents
   std::vector<float*> chunk_pointers(bool grads);  // [W*E] see ep_materialize
   plan::Nodes nodes_;                           // node of each ep rank (all 0 until enable_placements)
+  plan::DispatchRule dispatch_rule_ = plan::DispatchRule::nearest;
   plan::LayerPlacement owners_, placement_, held_;  // held_: materialized now
   std::vector<int> owned_;                      // experts this rank owns, ascending (rows of w1_, w2_, w3_)
   std::vector<int> replica_expert_;             // [S] the expert in each used replica slot, in gather order

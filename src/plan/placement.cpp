@@ -91,16 +91,13 @@ int Nodes::n_nodes() const {
   return largest + 1;
 }
 
-std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacement& p, const Nodes& nodes,
-                                                             const std::vector<std::vector<int64_t>>& counts) {
-  constexpr const char* kWhere = "dispatch_plan";
-  detail::require_valid(kWhere, p);
-  const int R = p.n_ranks, E = p.n_experts();
-  detail::require_nodes(kWhere, nodes, R);
-  detail::require_counts(kWhere, counts, R, E);
+namespace {
 
-  std::vector<std::vector<std::vector<int64_t>>> rows(
-      R, std::vector<std::vector<int64_t>>(E, std::vector<int64_t>(R, 0)));
+using Rows = std::vector<std::vector<std::vector<int64_t>>>;  // [R][E][R]
+
+void dispatch_nearest(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts,
+                      Rows* rows) {
+  const int R = p.n_ranks, E = p.n_experts();
   std::vector<int> chosen;  // reused across (s, e)
   for (int s = 0; s < R; ++s) {
     for (int e = 0; e < E; ++e) {
@@ -117,10 +114,62 @@ std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacemen
       }
       const int64_t n = static_cast<int64_t>(chosen.size());
       const int64_t base = count / n, extra = count % n;
-      for (int64_t i = 0; i < n; ++i) rows[s][e][chosen[i]] = base;
-      for (int64_t i = 0; i < extra; ++i) ++rows[s][e][chosen[(s + i) % n]];
+      for (int64_t i = 0; i < n; ++i) (*rows)[s][e][chosen[i]] = base;
+      for (int64_t i = 0; i < extra; ++i) ++(*rows)[s][e][chosen[(s + i) % n]];
     }
   }
+}
+
+void dispatch_even(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts,
+                   Rows* rows) {
+  const int R = p.n_ranks, E = p.n_experts();
+  std::vector<int64_t> share(R), left(R);  // reused across experts
+  for (int e = 0; e < E; ++e) {
+    const auto& holders = p.replicas[e];
+    const int64_t n = static_cast<int64_t>(holders.size());
+    int64_t total = 0;
+    for (int s = 0; s < R; ++s) total += counts[s][e];
+    if (total == 0) continue;
+    std::fill(share.begin(), share.end(), 0);
+    for (int d : holders) share[d] = total / n;
+    for (int64_t i = 0; i < total % n; ++i) ++share[holders[(e + i) % n]];
+    for (int s = 0; s < R; ++s) {
+      const int64_t keep = std::min(counts[s][e], share[s]);  // share[s] == 0 where s does not hold e
+      (*rows)[s][e][s] = keep;
+      share[s] -= keep;
+      left[s] = counts[s][e] - keep;
+    }
+    for (const bool same_node_only : {true, false}) {
+      for (int s = 0; s < R; ++s) {
+        for (int d : holders) {
+          if (left[s] == 0) break;
+          if (same_node_only && nodes.node_of_rank[d] != nodes.node_of_rank[s]) continue;
+          const int64_t moved = std::min(left[s], share[d]);
+          (*rows)[s][e][d] += moved;
+          share[d] -= moved;
+          left[s] -= moved;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacement& p, const Nodes& nodes,
+                                                             const std::vector<std::vector<int64_t>>& counts,
+                                                             DispatchRule rule) {
+  constexpr const char* kWhere = "dispatch_plan";
+  detail::require_valid(kWhere, p);
+  const int R = p.n_ranks, E = p.n_experts();
+  detail::require_nodes(kWhere, nodes, R);
+  detail::require_counts(kWhere, counts, R, E);
+
+  Rows rows(R, std::vector<std::vector<int64_t>>(E, std::vector<int64_t>(R, 0)));
+  if (rule == DispatchRule::nearest)
+    dispatch_nearest(p, nodes, counts, &rows);
+  else
+    dispatch_even(p, nodes, counts, &rows);
   return rows;
 }
 

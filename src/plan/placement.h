@@ -53,17 +53,31 @@ struct Nodes {
   int n_nodes() const;            // 1 + the largest id (0 when there are no ranks)
 };
 
-// Token dispatch (Hecate §4.4): tokens that rank s routes to expert e go to a replica on s itself if
-// there is one, else to the replicas on s's node, else to all replicas. They are spread evenly over
-// the n chosen replicas c[0] < c[1] < ... < c[n-1]: with count = q*n + r, each gets q and the r
-// replicas c[(s + i) % n], i = 0..r-1, get one more (rotated by s so that sources spread their
-// remainders instead of all loading c[0]). Deterministic; every rank computes the same plan from the
-// same counts.
+// How dispatch_plan spreads the tokens routed to an expert over the ranks holding it:
+//   nearest  Hecate §4.4 (training): tokens that rank s routes to expert e go to a replica on s itself
+//            if there is one, else to the replicas on s's node, else to all replicas. They are spread
+//            evenly over the n chosen replicas c[0] < c[1] < ... < c[n-1]: with count = q*n + r, each
+//            gets q and the r replicas c[(s + i) % n], i = 0..r-1, get one more (rotated by s so that
+//            sources spread their remainders instead of all loading c[0]). A replica relieves the
+//            ranks whose own tokens it serves, and no token crosses a node it need not.
+//   even     Lina (serving): the n holders of e each compute an equal share of all the tokens routed to
+//            e (T = q*n + r: the r holders c[(e + i) % n], i = 0..r-1, one more), the load its planner
+//            prices (lina_busiest_seconds). A source that holds e keeps as many of its own tokens as
+//            its share allows; the rest go, sources in ascending order, to holders with share left,
+//            those on the source's node first, then ascending. So only the tokens an even split must
+//            move cross ranks. Under nearest, a replica on a rank whose batch routes few tokens to e
+//            would take few of them, however many the other ranks route to e.
+// Without replicas (every expert on its owner only) both send every token to the owner.
+enum class DispatchRule { nearest, even };
+
+// The token dispatch over placement p under `rule` (DispatchRule). Deterministic; every rank computes
+// the same plan from the same counts.
 //   counts [R][E]: tokens (assignments) rank s sends to expert e
 //   returns rows [R][E][R]: rows[s][e][d] = tokens rank s sends to rank d for expert e
 // REQUIRES: p.validate() ok, nodes has R entries (ids >= 0), counts is [R][E] and non-negative.
 std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacement& p, const Nodes& nodes,
-                                                             const std::vector<std::vector<int64_t>>& counts);
+                                                             const std::vector<std::vector<int64_t>>& counts,
+                                                             DispatchRule rule = DispatchRule::nearest);
 
 // Tokens each rank computes under a dispatch plan: received[d] = sum over s, e of rows[s][e][d].
 // What the busiest-rank cost models of the planners compare. REQUIRES: rows is [R][E][R].
