@@ -47,6 +47,11 @@ class ScratchDir {
 // the load recorded in `metrics` (a moe train --metrics file): the median over steps first_step.. .
 Status simulated_graph_ms(sim::SimRunConfig cfg, const std::string& metrics, size_t first_step, double* ms);
 
+// Benchmarks that run `moe train` on the default corpus (Debian's python3-doc) check it first, so a
+// machine without it gets one clear error instead of a failure per run. Prints
+// "moe bench <name>: <why>" on stderr and returns false when the corpus cannot be opened.
+bool default_corpus_ready(const char* bench_name);
+
 struct BenchOptions {
   int threads = 2;
   int repeats = 5;         // timed repetitions per row; the median is reported

@@ -15,6 +15,7 @@
 #include "bench/mpi_bench.h"
 #include "comm/mpi_communicator.h"
 #include "report/report.h"
+#include "runtime/trainer.h"
 
 namespace moe::bench {
 
@@ -44,6 +45,16 @@ Status simulated_graph_ms(sim::SimRunConfig cfg, const std::string& metrics, siz
   if (pred.empty()) pred.push_back(res.steps[0].mean.compute_ms + res.steps[0].mean.exposed_comm_ms);
   *ms = median(pred);
   return Status::ok();
+}
+
+bool default_corpus_ready(const char* bench_name) {
+  TextDataset data;
+  std::string path;
+  const Status s = open_training_data(TrainConfig{}, &data, &path);
+  if (!s)
+    std::fprintf(stderr, "moe bench %s: the default corpus (%s, Debian's python3-doc) cannot be read: %s\n",
+                 bench_name, path.c_str(), s.message().c_str());
+  return s.is_ok();
 }
 
 bool write_html_report(const std::string& path, const std::string& title, const std::vector<std::string>& metrics,

@@ -215,7 +215,7 @@ int cluster_collectives(const BenchOptions& opt) {
 
 int cluster_ep_training(const BenchOptions& opt) {
   const EmulatedCluster cluster(kCluster, "100mbit");
-  if (!usable(cluster, "cluster-ep-training")) return 1;
+  if (!usable(cluster, "cluster-ep-training") || !default_corpus_ready("cluster-ep-training")) return 1;
   const int steps = 15, warmup = 3;
   Report report("cluster-ep-training",
                 str_cat("moe train, default model and corpus, 2 ranks x 1 thread, ", steps, " steps (medians after ",

@@ -150,6 +150,8 @@ int cluster_strategies(const BenchOptions& opt) {
     return 2;
   }
 
+  if (!default_corpus_ready("cluster-strategies")) return 1;
+
   Report report("cluster-strategies",
                 str_cat("every strategy on an emulated cluster: moe train, default model and corpus, --threads 1, ",
                         kSteps, " steps (medians after ", kWarmup, "), ", rounds,

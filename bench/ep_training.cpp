@@ -83,6 +83,7 @@ bool run(int ranks, int threads, const std::string& extra, int steps, int warmup
 }  // namespace
 
 int ep_training(const BenchOptions& opt) {
+  if (!default_corpus_ready("ep-training")) return 1;
   const int steps = 40, warmup = 5, threads = std::max(2, opt.threads);
   const int rounds = std::clamp(opt.repeats, 1, 3);
   const int64_t tokens = 16 * 128;  // the default global batch

@@ -150,6 +150,7 @@ std::string run_cell(double ms, double rank_spread) {
 }  // namespace
 
 int sim_fidelity(const BenchOptions& opt) {
+  if (!default_corpus_ready("sim-fidelity")) return 1;
   namespace fs = std::filesystem;
   const ScratchDir scratch("moe_bench_sim_fidelity_");
   const fs::path& dir = scratch.path();

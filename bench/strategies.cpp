@@ -75,6 +75,7 @@ bool run(int ranks, int threads, const std::string& extra, int steps, int warmup
 }  // namespace
 
 int strategies(const BenchOptions& opt) {
+  if (!default_corpus_ready("strategies")) return 1;
   const int steps = 30, warmup = 6, ranks = 2, threads = std::max(1, opt.threads / ranks);
   const int rounds = std::clamp(opt.repeats, 1, 3);
   Report report("strategies",
