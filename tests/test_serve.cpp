@@ -17,6 +17,7 @@
 #include "model/model.h"
 #include "serve/engine.h"
 #include "serve/sampler.h"
+#include "serve/server.h"
 #include "util/quantile.h"
 #include "util/shell.h"
 
@@ -250,6 +251,21 @@ TEST(Quantile, NearestRank) {
   EXPECT_EQ(moe::nearest_rank_quantile({42}, 0.99), 42);
   EXPECT_THROW(moe::nearest_rank_quantile({}, 0.5), std::logic_error);
   EXPECT_THROW(moe::nearest_rank_quantile(v, 1.5), std::logic_error);
+}
+
+// Admission by rows: a prompt joins the rank with the fewest rows this step, so two prompts arriving
+// together are prefilled on two ranks; then the most free slots; never past a rank's budget.
+TEST(Admission, FewestRowsThenMostFreeSlotsWithinTheBudget) {
+  using moe::serve::admission_rank;
+  // Rank 1 has more free slots but already prefills 100 rows: the prompt goes to rank 0.
+  EXPECT_EQ(admission_rank({20, 118}, {12, 13}, 100, 512), 0);
+  // Equal rows: the most free slots, then the lowest index.
+  EXPECT_EQ(admission_rank({5, 5, 5}, {2, 4, 4}, 10, 512), 1);
+  // A rank without a free slot, or whose budget the prompt would exceed, is skipped; none: -1.
+  EXPECT_EQ(admission_rank({0, 30}, {0, 3}, 10, 64), 1);
+  EXPECT_EQ(admission_rank({60, 30}, {3, 3}, 40, 64), -1);
+  EXPECT_EQ(admission_rank({0, 0}, {0, 0}, 1, 64), -1);
+  EXPECT_THROW(admission_rank({0, 0}, {1}, 1, 64), std::logic_error);
 }
 
 TEST(Sampler, GreedyIsTheArgmaxAndTopK1IsGreedy) {

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <ctime>
 #include <deque>
+#include <stdexcept>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -263,6 +264,22 @@ struct Running {
   Clock::time_point first_token;
 };
 
+}  // namespace
+
+int admission_rank(const std::vector<int64_t>& used, const std::vector<int64_t>& free_slots, int64_t need,
+                   int64_t max_rows) {
+  if (used.size() != free_slots.size())
+    throw std::logic_error("admission_rank: used and free_slots must have one entry per rank");
+  int best = -1;
+  for (int k = 0; k < static_cast<int>(used.size()); ++k) {
+    if (free_slots[k] <= 0 || used[k] + need > max_rows) continue;
+    if (best < 0 || used[k] < used[best] || (used[k] == used[best] && free_slots[k] > free_slots[best])) best = k;
+  }
+  return best;
+}
+
+namespace {
+
 // The scheduler on rank 0: admits requests into free slots, runs one step of every running sequence
 // per forward, hands each its token. Returns when g_stop is set.
 class Scheduler {
@@ -289,12 +306,12 @@ class Scheduler {
 
  private:
   // This step's rows: every running sequence whose rows still fit its rank's budget (a decode row,
-  // or a context refill), then waiting requests in arrival order, each to the rank with the most
-  // free slots whose budget still holds its prompt. A sequence that does not fit waits a step.
+  // or a context refill), then waiting requests in arrival order, each to admission_rank's choice.
+  // A sequence that does not fit waits a step.
   void plan() {
     rows_.clear();
     scheduled_.clear();
-    std::vector<int64_t> used(free_.size(), 0);
+    std::vector<int64_t> used(free_.size(), 0), free_slots(free_.size(), 0);
     auto add = [&](size_t i) {
       const Running& r = running_[i];
       used[r.rank] += r.seq.rows();
@@ -309,11 +326,8 @@ class Scheduler {
         waiting_.pop_front();
         continue;
       }
-      const int64_t need = static_cast<int64_t>(req->prompt.size());
-      int best = -1;
-      for (int k = 0; k < static_cast<int>(free_.size()); ++k)
-        if (!free_[k].empty() && used[k] + need <= max_rows_ && (best < 0 || free_[k].size() > free_[best].size()))
-          best = k;
+      for (size_t k = 0; k < free_.size(); ++k) free_slots[k] = static_cast<int64_t>(free_[k].size());
+      const int best = admission_rank(used, free_slots, static_cast<int64_t>(req->prompt.size()), max_rows_);
       if (best < 0) break;
       waiting_.pop_front();
       running_.push_back(Running{req, best, free_[best].back(), Sampler(req->sampling, 0), Sequence{req->prompt}, 0, {}});

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "serve/job.h"
 #include "util/status.h"
@@ -36,6 +37,14 @@ struct ServeConfig {
   int64_t max_queue = 256;        // requests waiting beyond that get 503
   Status validate() const;
 };
+
+// The rank a waiting prompt of `need` rows joins this step (the scheduler's admission): among the ranks
+// with a free slot whose rows this step (`used`) leave room for it under max_rows, the one with the
+// fewest rows this step, then the most free slots, then the lowest index; -1 when none has room. By
+// rows first, so two prompts arriving together are prefilled on two ranks rather than one: a step
+// lasts as long as its busiest rank. REQUIRES: used and free_slots of one size (the ranks).
+int admission_rank(const std::vector<int64_t>& used, const std::vector<int64_t>& free_slots, int64_t need,
+                   int64_t max_rows);
 
 // Serves until SIGINT or SIGTERM (then finishes the running requests' HTTP answers with what they
 // have, stops the ranks and returns ok). Under mpirun every rank calls it. Rank 0 prints
