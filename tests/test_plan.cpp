@@ -11,6 +11,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plan/baselines.h"
@@ -196,14 +197,25 @@ TEST(Dispatch, SplitsEvenlyAndRotatesRemaindersBySource) {
   EXPECT_EQ(rows[4][1], (std::vector<int64_t>{0, 2, 3, 3, 0}));
 }
 
+// The dispatch tests' varied cases: seed's Zipf counts over R ranks and E experts and Alg. 1's placement
+// for them (overlap degree and slots varying with the seed).
+struct ZipfCase {
+  Counts counts;
+  LayerPlacement p;
+};
+ZipfCase zipf_case(int R, int E, const Nodes& nodes, uint32_t seed) {
+  Counts counts = zipf_counts(R, E, 400, 1.2, seed);
+  LayerPlacement p =
+      sparse_materialize(even_placement(E, R), as_loads(column_sums(counts)), 2 + seed % 6, 1 + seed % 3, nodes);
+  return {std::move(counts), std::move(p)};
+}
+
 TEST(Dispatch, ConservesTokensOnMaterializedZipfPlacements) {
   // Placements from Alg. 1 on Zipf loads, 8 ranks on 2 nodes: every property of dispatch_plan at once.
   const int R = 8, E = 16;
   const Nodes nodes = uniform_nodes(R, 4);
   for (uint32_t seed = 1; seed <= 20; ++seed) {
-    const Counts counts = zipf_counts(R, E, 400, 1.2, seed);
-    const LayerPlacement p =
-        sparse_materialize(even_placement(E, R), as_loads(column_sums(counts)), 2 + seed % 6, 1 + seed % 3, nodes);
+    const auto [counts, p] = zipf_case(R, E, nodes, seed);
     const auto rows = dispatch_plan(p, nodes, counts);
     for (int s = 0; s < R; ++s) {
       for (int e = 0; e < E; ++e) {
@@ -284,9 +296,7 @@ TEST(Dispatch, EvenConservesTokensAndBalancesHoldersOnZipfPlacements) {
   const int R = 8, E = 16;
   const Nodes nodes = uniform_nodes(R, 4);
   for (uint32_t seed = 1; seed <= 20; ++seed) {
-    const Counts counts = zipf_counts(R, E, 400, 1.2, seed);
-    const LayerPlacement p =
-        sparse_materialize(even_placement(E, R), as_loads(column_sums(counts)), 2 + seed % 6, 1 + seed % 3, nodes);
+    const auto [counts, p] = zipf_case(R, E, nodes, seed);
     const auto rows = dispatch_plan(p, nodes, counts, DispatchRule::even);
     for (int e = 0; e < E; ++e) {
       int64_t total = 0, kept_home = 0, home_bound = 0;
