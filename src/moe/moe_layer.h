@@ -174,8 +174,9 @@ class MoeLayer {
   // extra replicas of experts (plan::LayerPlacement: the owners are this layer's expert-parallel
   // shards, replicas[e] ⊇ {owner[e]}), and re-sharding may move owners. Tokens go where
   // plan::dispatch_plan sends them under set_dispatch_rule's rule (by default a replica on the token's
-  // rank, else on its node, else any, spread evenly); a replica's weights come from its owner by SparseAllGather (ep_materialize) and its
-  // gradient goes back, summed into the owner's, by SparseReduceScatter (ep_reduce_replica_grads).
+  // rank, else on its node, else any, spread evenly); a replica's weights come from its owner by
+  // SparseAllGather (ep_materialize) and its gradient goes back, summed into the owner's, by
+  // SparseReduceScatter (ep_reduce_replica_grads).
   // The mathematics is that of EP (invariant 1, docs/architecture.md); only rows move and the order of some float
   // sums changes. Without extra replicas and re-sharding the step is EP's, bit for bit.
   // REQUIRES: set_expert_parallel(ep, batch) with ep and batch of the same ranks (one copy of every expert over the
