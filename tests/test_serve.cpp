@@ -166,6 +166,14 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
     InferenceEngine engine(model, 2, cfg.seq_len);
     engine.set_schedule(schedule, nullptr, world.get());
     engine.set_replica_cache(cache);
+    // Lina's replicas take equal shares of their expert's tokens, the load its planner prices.
+    const bool replicates = schedule != moe::serve::Schedule::ep && schedule != moe::serve::Schedule::ideal;
+    const moe::plan::DispatchRule rule = replicates ? moe::plan::DispatchRule::even : moe::plan::DispatchRule::nearest;
+    for (int64_t l = 0; l < cfg.n_layers; ++l) {
+      if (moe::MoeLayer* moe = model.moe_layer(l)) {
+        EXPECT_EQ(moe->dispatch_rule(), rule) << "block " << l;
+      }
+    }
     std::vector<float> all;
     for (int64_t i = 0; i < kBatches; ++i) {
       const int32_t byte = static_cast<int32_t>((53 * i + 101 * world->rank() + 7) % 256);
