@@ -11,10 +11,10 @@
 #include <cstdio>
 #include <ctime>
 #include <deque>
-#include <stdexcept>
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
