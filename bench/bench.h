@@ -20,12 +20,13 @@ namespace moe::bench {
 // Shared by the benchmarks (bench_util.cpp).
 double median(std::vector<double> v);  // the upper median; 0 for no samples
 // A figure measured once per round against the reference's figure of the same round (the rounds
-// interleave the runs, so a slow spell of the machine weighs on both): the lowest and highest of the
-// per-round ratios, and in how many rounds the figure was below the reference (n of n by chance
-// alone: the sign test's p = 2^-n). NaN bounds for no rounds. REQUIRES: x and ref of the same size.
+// interleave the runs, so a slow spell of the machine weighs on both): the lowest, highest and (upper)
+// median of the per-round ratios, and in how many rounds the figure was below the reference (n of n by
+// chance alone: the sign test's p = 2^-n). NaN ratios for no rounds. REQUIRES: x and ref of the same size.
 struct PairedRounds {
   double lowest = 0, highest = 0;
   int64_t below = 0;
+  double median = 0;
 };
 PairedRounds paired_rounds(const std::vector<double>& x, const std::vector<double>& ref);
 // bench/torch_moe_layer_peer.py: under $MOE_BENCH_DIR if set, else in the source tree moe was built from.

@@ -86,13 +86,16 @@ double median(std::vector<double> v) {
 
 PairedRounds paired_rounds(const std::vector<double>& x, const std::vector<double>& ref) {
   if (x.size() != ref.size()) throw std::invalid_argument("paired_rounds: REQUIRES as many rounds as the reference");
-  if (x.empty()) return {std::nan(""), std::nan(""), 0};
+  if (x.empty()) return {std::nan(""), std::nan(""), 0, std::nan("")};
   PairedRounds p{x[0] / ref[0], x[0] / ref[0], 0};
+  std::vector<double> ratios;
   for (size_t i = 0; i < x.size(); ++i) {
-    p.lowest = std::min(p.lowest, x[i] / ref[i]);
-    p.highest = std::max(p.highest, x[i] / ref[i]);
+    ratios.push_back(x[i] / ref[i]);
+    p.lowest = std::min(p.lowest, ratios.back());
+    p.highest = std::max(p.highest, ratios.back());
     p.below += x[i] < ref[i];
   }
+  p.median = median(ratios);
   return p;
 }
 

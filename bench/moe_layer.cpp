@@ -336,12 +336,8 @@ int moe_layer(const BenchOptions& opt) {
     bool died = false;
     std::vector<double> moe_ms[2], peer_ms[2];  // the pairs' times: [0] forward, [1] forward+backward
   };
-  // The median over the pairs of peer time / moe time.
-  auto paired_ratio = [](const PeerRuns& p, int k) {
-    std::vector<double> ratio;
-    for (size_t i = 0; i < p.moe_ms[k].size(); ++i) ratio.push_back(p.peer_ms[k][i] / p.moe_ms[k][i]);
-    return median(ratio);
-  };
+  // Peer time / moe time over the pairs of pass k.
+  auto paired = [](const PeerRuns& p, int k) { return paired_rounds(p.peer_ms[k], p.moe_ms[k]); };
   std::vector<PeerRuns> peers;
   for (const std::string& core : peer_coretypes()) {
     PeerRuns& p = peers.emplace_back();
@@ -383,8 +379,8 @@ int moe_layer(const BenchOptions& opt) {
       continue;
     }
     const double ms = median(p.peer_ms[1]);
-    report.row({p.label, ms, kN / (ms * 1e-3), layer_flops / (ms * 1e6), paired_ratio(p, 1)});
-    if (!best || paired_ratio(p, 1) < paired_ratio(*best, 1)) best = &p;
+    report.row({p.label, ms, kN / (ms * 1e-3), layer_flops / (ms * 1e6), paired(p, 1).median});
+    if (!best || paired(p, 1).median < paired(*best, 1).median) best = &p;
   }
   if (!best) {
     report.note("PyTorch peer could not run (/usr/bin/python3 with torch: scripts/setup.sh --test)");
@@ -395,9 +391,9 @@ int moe_layer(const BenchOptions& opt) {
                {{"pass", ""}, {"moe", "tokens/s", 0}, {"peer", "tokens/s", 0}, {"peer time / moe time", "x"},
                 {"lowest pair", "x"}, {"highest pair", "x"}});
   for (int k = 0; k < 2; ++k) {
-    const PairedRounds pairs = paired_rounds(best->peer_ms[k], best->moe_ms[k]);
+    const PairedRounds pairs = paired(*best, k);
     report.row({std::string(k == 0 ? "forward" : "forward+backward"), kN / (median(best->moe_ms[k]) * 1e-3),
-                kN / (median(best->peer_ms[k]) * 1e-3), paired_ratio(*best, k), pairs.lowest, pairs.highest});
+                kN / (median(best->peer_ms[k]) * 1e-3), pairs.median, pairs.lowest, pairs.highest});
   }
   return report.finish(0);
 }
