@@ -16,6 +16,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench.h"
@@ -278,8 +279,10 @@ int moe_layer(const BenchOptions& opt) {
   };
   const double fwd_ms = median_ms(opt.repeats, fwd_pass);
   const double fwdbwd_ms = median_ms(opt.repeats, fwdbwd_pass);
-  char load[64];
-  std::snprintf(load, sizeof load, "%lld rows, expert load max/mean %.2f", (long long)R, max_rows / (double(R) / kE));
+  char load[96];
+  std::snprintf(load, sizeof load, "%lld rows, expert load max/mean %.2f, %s", (long long)R,
+                max_rows / (double(R) / kE),
+                experts_thread_plan(r.expert_offset.data(), kE).empty() ? "experts in turn" : "one expert per thread");
   row("MoE layer forward", fwd_ms, kN / (fwd_ms * 1e-3), (expert_flops_fwd + router_flops_fwd) / (fwd_ms * 1e6), load);
   const double layer_flops = 3 * (expert_flops_fwd + router_flops_fwd);  // forward+backward
   row("MoE layer forward+backward", fwdbwd_ms, kN / (fwdbwd_ms * 1e-3), layer_flops / (fwdbwd_ms * 1e6), "");
@@ -319,6 +322,23 @@ int moe_layer(const BenchOptions& opt) {
                 100 * *std::min_element(experts_shares.begin(), experts_shares.end()),
                 100 * *std::max_element(experts_shares.begin(), experts_shares.end()));
   row("experts fwd+bwd (GEMM chains + activation)", experts_ms, kN / (experts_ms * 1e-3), experts_rate, note);
+  // The activation is the experts' one pass over memory outside the GEMMs (it ran scalar on AVX2
+  // once, 14% of the experts' time): forward from h1, backward in place on a fresh copy of dact
+  // each time (repeated in place, gradients would shrink to denormals).
+  Tensor dact_in({R, kF});
+  std::vector<double> gelu_times;
+  for (int i = 0; i < opt.repeats; ++i) {
+    std::copy(dact.data(), dact.data() + R * kF, dact_in.data());
+    gelu_times.push_back(time_ms([&] {
+      gelu_forward(act.data(), h1.data(), R * kF);
+      gelu_backward_inplace(dact_in.data(), h1.data(), R * kF);
+    }));
+  }
+  const double gelu_ms = median(gelu_times);
+  // forward reads h1, writes act; backward reads h1 and dact, writes dact: 5 floats an element.
+  std::snprintf(note, sizeof note, "%.0f%% of the experts' time, %.1f GB/s", 100 * gelu_ms / experts_ms,
+                5.0 * 4 * R * kF / (gelu_ms * 1e6));
+  row("  activation (GELU fwd+bwd)", gelu_ms, nan, nan, note);
   std::snprintf(note, sizeof note, "experts are %.0f%% of layer time", 100 * experts_ms / fwdbwd_ms);
   row("  rest of the layer (router, permute, combine)", fwdbwd_ms - experts_ms, nan, nan, note);
   report.note("goal (the project's, not measured): experts >= 85% of the GEMM rate; the layer >= 2x the PyTorch "
@@ -349,16 +369,21 @@ int moe_layer(const BenchOptions& opt) {
     if (!p.peer->ready()) p.died = true;
   const char* const pass_name[2] = {"fwd", "fwdbwd"};
   const std::function<void()>* const moe_pass[2] = {&fwd_pass, &fwdbwd_pass};
+  // Each pass starts on CPUs the other side has left: after a BLAS call OpenBLAS's worker threads
+  // poll (sched_yield) for 2^28 TSC cycles, 0.1 s at 2.7 GHz, before they sleep, so the pass right
+  // after a peer's shared the CPUs with them (0.1 s of CPU in a peer idle 0.5 s after one matmul,
+  // measured; moe's figures here ran 5-9% below the same passes timed alone, AVX2 AMD EPYC).
+  auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(250)); };
   for (int round = 0; round < opt.repeats; ++round) {
     for (PeerRuns& p : peers) {
       for (int k = 0; k < 2 && !p.died; ++k) {
         double moe_ms = 0, peer_ms = 0;
         if (round % 2 == 0) {
-          moe_ms = time_ms(*moe_pass[k]);
-          peer_ms = p.peer->time_ms(pass_name[k]);
+          settle(), moe_ms = time_ms(*moe_pass[k]);
+          settle(), peer_ms = p.peer->time_ms(pass_name[k]);
         } else {
-          peer_ms = p.peer->time_ms(pass_name[k]);
-          moe_ms = time_ms(*moe_pass[k]);
+          settle(), peer_ms = p.peer->time_ms(pass_name[k]);
+          settle(), moe_ms = time_ms(*moe_pass[k]);
         }
         if (std::isnan(peer_ms)) {
           p.died = true;
