@@ -227,7 +227,9 @@ TEST_F(ClusterEmulation, EachHostGetsItsOwnCpus) {
 }
 
 // The capped link is the bottleneck, and only it: an alltoallv across the two hosts takes the time
-// the 200 Mbit/s cap predicts, within 15% (shared memory between the namespaces would be ~10x faster).
+// the 200 Mbit/s cap predicts, not less than 85% of it (shared memory between the namespaces would be
+// ~10x faster) and not more than 135% (a cap twice too tight would be 2x). The upper side has room for
+// the machine: alone the ratio reads 1.01-1.05, inside a full ctest on a 2-vCPU AMD EPYC once 1.18.
 TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
   std::string self = fs::read_symlink("/proc/self/exe").string();
   ShellResult r = run_shell("MOE_CLUSTER_HELPER=alltoall " +
@@ -244,7 +246,8 @@ TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
   // measures TSan (1.152 seen on a loaded 2-core machine): only "not faster than the cap" holds.
   EXPECT_GT(measured / predicted, 0.85) << r.output;
 #else
-  EXPECT_NEAR(measured / predicted, 1.0, 0.15) << r.output;
+  EXPECT_GT(measured / predicted, 0.85) << r.output;
+  EXPECT_LT(measured / predicted, 1.35) << r.output;
 #endif
 }
 
