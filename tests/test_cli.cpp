@@ -171,12 +171,16 @@ TEST_F(CliTest, GemmFlagPinsTheKernelAndOverridesTheCheckpoints) {
   // The line names OpenBLAS's kernel; where OpenBLAS would fall back to an older one than this CPU
   // runs, moe re-ran itself with the kernel of the CPU's instruction set (tensor/ops.h).
   const size_t core_at = at + std::string("gemm: openblas/").size();
-  const std::string core = first.output.substr(core_at, first.output.find(' ', core_at) - core_at);
+  const std::string core = first.output.substr(core_at, first.output.find(',', core_at) - core_at);
   std::printf("OpenBLAS kernel: %s\n", core.c_str());
   if (!std::getenv("OPENBLAS_CORETYPE")) {
     EXPECT_EQ(moe::openblas_core_for_this_cpu(core), "")
         << "OpenBLAS runs " << core << ", older than this CPU's instruction set";
   }
+  // Its workers sleep right after a call (moe set OPENBLAS_THREAD_TIMEOUT), or as the user said.
+  const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const std::string polls = std::string(", workers poll 2^") + (timeout ? timeout : "4") + " cycles after a call (";
+  EXPECT_EQ(first.output.find(polls, at), core_at + core.size()) << first.output;
   Result kept = run_moe("train " + tiny() + "--steps 4 --resume " + (dir_ / "ck").string());
   ASSERT_EQ(kept.exit_code, 0) << kept.output;
   EXPECT_NE(kept.output.find("gemm: openblas/"), std::string::npos) << kept.output;

@@ -16,26 +16,34 @@
 
 namespace {
 
-// OpenBLAS picks its kernel once, when it loads (before main). Where it fell back to an older kernel
-// than this CPU's instruction set runs (tensor/ops.h: openblas_core_for_isa) and no core type is set,
-// re-run this same command with OPENBLAS_CORETYPE set, before anything else starts; mpirun's ranks
-// inherit it and do not re-run. Returns only if it did not re-run.
-void rerun_with_openblas_kernel_for_isa(int argc, char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE")) return;  // the user's (or a parent moe's) choice
-  const std::string core = moe::openblas_core_for_this_cpu(moe::openblas_kernel());
-  if (core.empty()) return;
+// OpenBLAS reads its settings once, when it loads (before main). Where one of these is unset, re-run
+// this same command with it set, before anything else starts; mpirun's ranks inherit them and do not
+// re-run. Returns only if it did not re-run.
+// - OPENBLAS_CORETYPE, where OpenBLAS fell back to an older kernel than this CPU's instruction set runs
+//   (tensor/ops.h: openblas_core_for_isa); a core type the user set is kept.
+// - OPENBLAS_THREAD_TIMEOUT=4: after a call OpenBLAS's workers poll (sched_yield) for 2^28 TSC cycles,
+//   ~0.1 s, before they sleep, on the CPUs moe's OpenMP threads and transfers need between GEMMs; at 2^4
+//   they sleep at once. `moe train --steps 20 --threads 2 --gemm openblas`: 570-585 -> 380-462 ms a
+//   step (AVX2 AMD EPYC, 2026-11-27, 2 rounds); with oneDNN as the kernel OpenBLAS runs no GEMM.
+void rerun_with_openblas_settings(int argc, char** argv) {
   std::vector<std::string> args(argv, argv + argc);
   args[0] = moe::self_exe("");
   if (args[0].empty()) return;
-  setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  std::vector<const char*> set;
+  if (!std::getenv("OPENBLAS_CORETYPE"))
+    if (const std::string core = moe::openblas_core_for_this_cpu(moe::openblas_kernel()); !core.empty())
+      setenv("OPENBLAS_CORETYPE", core.c_str(), 1), set.push_back("OPENBLAS_CORETYPE");
+  if (!std::getenv("OPENBLAS_THREAD_TIMEOUT"))
+    setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1), set.push_back("OPENBLAS_THREAD_TIMEOUT");
+  if (set.empty()) return;
   moe::exec_command(std::move(args));
-  unsetenv("OPENBLAS_CORETYPE");  // could not re-run: go on with OpenBLAS's own kernel
+  for (const char* name : set) unsetenv(name);  // could not re-run: the environment says what OpenBLAS runs with
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  rerun_with_openblas_kernel_for_isa(argc, argv);
+  rerun_with_openblas_settings(argc, argv);
   // A write past a file-size limit (ulimit -f, a quota) then fails with EFBIG, which the checkpoint
   // writer reports and recovers from, instead of killing the process with SIGXFSZ mid-write.
   std::signal(SIGXFSZ, SIG_IGN);

@@ -228,8 +228,16 @@ void set_gemm_threads(int threads) { openblas_set_num_threads(std::max(1, thread
 
 void pin_gemm_backend(const std::string& name, const std::string& reason) {
   pinned().backend = parse(name);
-  // OpenBLAS's kernel varies with the CPU and OPENBLAS_CORETYPE: say which one runs.
-  const std::string kernel = pinned().backend == Backend::openblas ? name + "/" + openblas_kernel() : name;
+  // OpenBLAS's kernel varies with the CPU and OPENBLAS_CORETYPE: say which one runs, and how long its
+  // workers poll after a call (src/cli/main.cpp sets OPENBLAS_THREAD_TIMEOUT).
+  std::string kernel = name;
+  if (pinned().backend == Backend::openblas) {
+    const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+    kernel.append("/").append(openblas_kernel()).append(", workers poll ");
+    if (timeout) kernel.append("2^").append(timeout).append(" cycles");
+    else kernel.append("OpenBLAS's default");
+    kernel.append(" after a call");
+  }
   pinned().why = kernel + " (" + reason + ")";
   is_pinned() = true;
 }
