@@ -127,10 +127,15 @@ class Peer {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       if (key != "OPENBLAS_CORETYPE" && key != "OPENBLAS_L2_SIZE" && key != "GLIBC_TUNABLES" &&
-          key != "OMP_NUM_THREADS")
+          key != "OMP_NUM_THREADS" && key != "OPENBLAS_THREAD_TIMEOUT")
         env.push_back(kv);
     }
     if (!coretype.empty()) env.push_back("OPENBLAS_CORETYPE=" + coretype);
+    // OpenBLAS's workers sleep right after a call, as in moe (src/cli/main.cpp): PyTorch's OpenMP
+    // loops then keep their CPUs too; fwd+bwd 1,364-1,693 against 1,615-1,889 ms at OpenBLAS's
+    // default (3 rounds, AVX2 AMD EPYC, 2026-11-27).
+    const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+    env.push_back(std::string("OPENBLAS_THREAD_TIMEOUT=") + (timeout ? timeout : "4"));
     // glibc malloc returns freed blocks above 32 MiB to the OS, so every step of the peer's backward
     // page-faults its [E,F,C] gradient buffers in again (2.8 s instead of 0.84 s fwd+bwd, measured):
     // keep freed memory, as the allocators PyTorch's CPU tuning guide recommends do.
@@ -369,10 +374,11 @@ int moe_layer(const BenchOptions& opt) {
     if (!p.peer->ready()) p.died = true;
   const char* const pass_name[2] = {"fwd", "fwdbwd"};
   const std::function<void()>* const moe_pass[2] = {&fwd_pass, &fwdbwd_pass};
-  // Each pass starts on CPUs the other side has left: after a BLAS call OpenBLAS's worker threads
-  // poll (sched_yield) for 2^28 TSC cycles, 0.1 s at 2.7 GHz, before they sleep, so the pass right
-  // after a peer's shared the CPUs with them (0.1 s of CPU in a peer idle 0.5 s after one matmul,
-  // measured; moe's figures here ran 5-9% below the same passes timed alone, AVX2 AMD EPYC).
+  // Each pass starts on CPUs the other side has left: at OpenBLAS's default its worker threads poll
+  // (sched_yield) for 2^28 TSC cycles, 0.1 s at 2.7 GHz, after a call, so the pass right after a
+  // peer's shared the CPUs with them (0.1 s of CPU in a peer idle 0.5 s after one matmul, measured;
+  // moe's figures here ran 5-9% below the same passes timed alone, AVX2 AMD EPYC). The peer's workers
+  // now sleep at once (above); the pause stays for whatever else a pass leaves running.
   auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(250)); };
   for (int round = 0; round < opt.repeats; ++round) {
     for (PeerRuns& p : peers) {
