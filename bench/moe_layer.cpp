@@ -127,15 +127,13 @@ class Peer {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       if (key != "OPENBLAS_CORETYPE" && key != "OPENBLAS_L2_SIZE" && key != "GLIBC_TUNABLES" &&
-          key != "OMP_NUM_THREADS" && key != "OPENBLAS_THREAD_TIMEOUT")
-        env.push_back(kv);
+          key != "OMP_NUM_THREADS")
+        env.push_back(kv);  // OPENBLAS_THREAD_TIMEOUT among them: see below
     }
     if (!coretype.empty()) env.push_back("OPENBLAS_CORETYPE=" + coretype);
-    // OpenBLAS's workers sleep right after a call, as in moe (src/cli/main.cpp): PyTorch's OpenMP
-    // loops then keep their CPUs too; fwd+bwd 1,364-1,693 against 1,615-1,889 ms at OpenBLAS's
-    // default (3 rounds, AVX2 AMD EPYC, 2026-11-27).
-    const char* timeout = std::getenv("OPENBLAS_THREAD_TIMEOUT");
-    env.push_back(std::string("OPENBLAS_THREAD_TIMEOUT=") + (timeout ? timeout : "4"));
+    // OPENBLAS_THREAD_TIMEOUT passes on as moe runs with it (src/cli/main.cpp sets it): the peer's
+    // OpenBLAS workers sleep right after a call too, and PyTorch's OpenMP loops keep their CPUs; fwd+bwd
+    // 1,364-1,693 against 1,615-1,889 ms at OpenBLAS's default (3 rounds, AVX2 AMD EPYC, 2026-11-27).
     // glibc malloc returns freed blocks above 32 MiB to the OS, so every step of the peer's backward
     // page-faults its [E,F,C] gradient buffers in again (2.8 s instead of 0.84 s fwd+bwd, measured):
     // keep freed memory, as the allocators PyTorch's CPU tuning guide recommends do.
