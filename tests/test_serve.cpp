@@ -159,7 +159,8 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
   const int64_t V = cfg.vocab_size, B = 6, kBatches = 12;
   // Batch i: B rows of one repeated byte (slot i % 2, positions 0..B-1), another byte on each rank and
   // in each batch, so that a few experts are popular and which ones moves from batch to batch.
-  auto run = [&](moe::serve::Schedule schedule, int cache, moe::serve::ScheduleStats* stats) {
+  auto run = [&](moe::serve::Schedule schedule, int cache, moe::serve::ScheduleStats* stats,
+                 moe::serve::StageSeconds* stages = nullptr) {
     Model model(cfg, 2);
     model.init(5);
     model.set_expert_parallel(world.get(), world.get());
@@ -184,10 +185,12 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
       all.insert(all.end(), out.begin(), out.end());
     }
     if (stats) *stats = engine.schedule_stats();
+    if (stages) *stages = engine.stage_seconds();
     return all;
   };
   moe::serve::ScheduleStats ep_stats, ideal_stats;
-  const std::vector<float> ep = run(moe::serve::Schedule::ep, 0, &ep_stats);
+  moe::serve::StageSeconds ep_stages, lina_stages;
+  const std::vector<float> ep = run(moe::serve::Schedule::ep, 0, &ep_stats, &ep_stages);
   (void)run(moe::serve::Schedule::ideal, 0, &ideal_stats);
   // The ranks' expert rows, closed form: each rank's B rows x K choices are the mean (nothing is
   // dropped), in every one of the 3 MoE layers' forwards; the balanced gate spreads each rank's 12
@@ -200,7 +203,18 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
   EXPECT_EQ(ideal_stats.busiest_rank_rows, layer_forwards * B * cfg.top_k);
   EXPECT_GT(ep_stats.busiest_rank_rows, ep_stats.mean_rank_rows) << "ep left the ranks' loads even: nothing to balance";
   moe::serve::ScheduleStats off, on;
-  const std::vector<float> plain = run(moe::serve::Schedule::lina_no_estimate, 0, &off);
+  const std::vector<float> plain = run(moe::serve::Schedule::lina_no_estimate, 0, &off, &lina_stages);
+  // Each forward's wall time by stage: every MoE stage ran, the parts fit in the whole, and only a
+  // Lina schedule spends time of its own (ep runs MoeLayer::forward, Lina the engine's phases).
+  for (const moe::serve::StageSeconds* st : {&ep_stages, &lina_stages}) {
+    EXPECT_EQ(st->forwards, kBatches);
+    EXPECT_GT(st->experts, 0);
+    EXPECT_GT(st->exchange, 0);
+    EXPECT_GT(st->gate, 0);
+    EXPECT_GT(st->other(), 0);
+  }
+  EXPECT_EQ(ep_stages.schedule, 0);
+  EXPECT_GT(lina_stages.schedule, 0);
   const std::vector<float> cached = run(moe::serve::Schedule::lina_no_estimate, 4, &on);
   const int64_t n = static_cast<int64_t>(ep.size());
   const double d_plain = max_rel_diff(plain.data(), ep.data(), n), d_cached = max_rel_diff(cached.data(), ep.data(), n);
@@ -522,6 +536,9 @@ TEST_F(InferenceCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   EXPECT_NE(metrics->body.find("moe_requests_total 10"), std::string::npos) << metrics->body;
   EXPECT_NE(metrics->body.find("moe_requests_rejected_total 5"), std::string::npos) << metrics->body;
   EXPECT_NE(metrics->body.find("moe_request_latency_seconds{quantile=\"0.95\"}"), std::string::npos);
+  for (const char* name : {"moe_forwards_total", "moe_forward_seconds_total", "moe_forward_experts_seconds_total",
+                           "moe_forward_exchange_seconds_total", "moe_forward_gate_seconds_total"})
+    EXPECT_NE(metrics->body.find(std::string("\n") + name + " "), std::string::npos) << name;
   // SIGTERM to mpirun reaches every rank: rank 0 answers what is running, tells the others, and all
   // return. (mpirun itself exits 1 after forwarding a signal, however its ranks ended.)
   EXPECT_NE(server.stop(60), -1) << "did not stop within 60 s\n" << server.log();

@@ -2,6 +2,7 @@
 #include "moe/moe_layer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -185,13 +186,22 @@ void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
   // In one call (evaluation, tests) tokens go to the replicas held now: a step's planned replicas are
   // gathered by the runtime's materialize ops, not here.
   placement_ = held_;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = Clock::now();
   ep_gate(x, N);
   ep_gate_sync();
+  const Clock::time_point t1 = Clock::now();
   ep_dispatch(&own_exchange_);
   ep_dispatch_a2a(own_exchange_);
+  const Clock::time_point t2 = Clock::now();
   ep_experts(&own_exchange_);
+  const Clock::time_point t3 = Clock::now();
   ep_combine_a2a(own_exchange_);
   ep_combine(own_exchange_, y);
+  const auto s = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  forward_seconds_.gate += s(t1 - t0);
+  forward_seconds_.exchange += s(t2 - t1) + s(Clock::now() - t3);
+  forward_seconds_.experts += s(t3 - t2);
 }
 
 void MoeLayer::backward_ep(float* dx, const float* dy) {

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe/token_exchange.h"
@@ -122,6 +123,14 @@ class MoeLayer {
   bool expert_parallel() const { return ep_ != nullptr; }
   // The exchange forward()'s expert-parallel path used last (its rows per source, expert, holder).
   const TokenExchange& forward_exchange() const { return own_exchange_; }
+  // Wall seconds forward()'s expert-parallel path spent in each phase, summed since the last take:
+  // gate (router, statistics exchange), exchange (layout, both all-to-alls, combine; waiting for a
+  // busier rank included), experts (this rank's expert GEMMs). For serving's per-stage metrics; a
+  // caller running the ep_* phases itself times them itself.
+  struct ForwardSeconds {
+    double gate = 0, exchange = 0, experts = 0;
+  };
+  ForwardSeconds take_forward_seconds() { return std::exchange(forward_seconds_, {}); }
 
   // The expert-parallel forward and backward phase by phase, for the runtime (src/graph: one graph
   // op each). forward()/backward() run them in this order; a caller running them itself must too.
@@ -280,6 +289,7 @@ class MoeLayer {
   Tensor xs_;
   // The exchange of forward()/backward() called whole (tests, evaluation).
   TokenExchange own_exchange_;
+  ForwardSeconds forward_seconds_;
   void plan_exchange(TokenExchange* ex);  // rows, counts and displacements, send_perm
   void plan_padded_exchange(TokenExchange* ex, const std::vector<std::vector<int64_t>>& kept);  // the same, padded
   void order_received_rows(TokenExchange* ex);  // perm, local_offset, held_order for this step's held experts

@@ -21,6 +21,9 @@ struct InferenceEngine::Block {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
 const Param* find_param(const std::vector<Param*>& params, const std::string& name, bool required = true) {
   for (const Param* p : params)
     if (p->name == name) return p;
@@ -210,9 +213,14 @@ std::future<void> InferenceEngine::start_phase1(int64_t l, int64_t m) {
 void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1) {
   MoeLayer* moe = blocks_[l].moe;
   const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
+  Clock::time_point t = Clock::now();
   if (phase1->valid()) phase1->get();  // rethrows the gather's error
+  stages_.schedule += seconds_since(t);
   const std::vector<double>& estimate = estimate_;
+  t = Clock::now();
   moe->ep_gate(ln_.data(), N);
+  stages_.gate += seconds_since(t);
+  t = Clock::now();
   next_estimate_.clear();
   if (estimates() && m + 1 < n_moe_) {
     const std::vector<int32_t>& first = moe->routing().expert;  // [N*K], this block's choices
@@ -223,7 +231,11 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
     }
     next_estimate_ = profile_->estimate(m + 1, paths, K);
   }
+  stages_.schedule += seconds_since(t);
+  t = Clock::now();
   moe->ep_gate_sync(&next_estimate_);
+  stages_.gate += seconds_since(t);
+  t = Clock::now();
   std::vector<double> actual(E, 0.0);
   for (const auto& rank_counts : moe->routed_counts())
     for (int64_t e = 0; e < E; ++e) actual[e] += static_cast<double>(rank_counts[e]);
@@ -236,11 +248,18 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
     place(m, moe, plan_block(m, *moe, actual));
     stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
   }
+  stages_.schedule += seconds_since(t);
+  t = Clock::now();
   moe->ep_dispatch(&exchange_);
   moe->ep_dispatch_a2a(exchange_);
+  stages_.exchange += seconds_since(t);
+  t = Clock::now();
   moe->ep_experts(&exchange_);
+  stages_.experts += seconds_since(t);
+  t = Clock::now();
   moe->ep_combine_a2a(exchange_);
   moe->ep_combine(exchange_, tmp_.data());
+  stages_.exchange += seconds_since(t);
 }
 
 // The rows every rank's experts ran in the MoE layer forward that used `ex` (its dispatch plan is
@@ -322,13 +341,18 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     float* x = x_.data() + n * C;
     for (int64_t i = 0; i < C; ++i) x[i] = te[i] + pe[i];
   }
+  const Clock::time_point start = Clock::now();
   routes_.assign(N * n_moe_ * cfg_.top_k, 0);
   ++forwards_;
   int64_t m = 0;  // MoE blocks passed
   for (int64_t l = 0; l < static_cast<int64_t>(blocks_.size()); ++l) {
     const Block& b = blocks_[l];
     std::future<void> phase1;  // Lina's gather for this block's MoE layer, behind its attention
-    if (b.moe && world_) phase1 = start_phase1(l, m);
+    if (b.moe && world_) {
+      const Clock::time_point t = Clock::now();
+      phase1 = start_phase1(l, m);
+      stages_.schedule += seconds_since(t);
+    }
     // h = x + proj(attention(qkv(norm1(x))))
     if (N > 0) {
       norm(ln_.data(), x_.data(), b.norm1_w, b.norm1_b, N);
@@ -345,8 +369,13 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     }
     // x = h + ffn(norm2(h)); the MoE layer is collective over the ranks, rows or not
     if (b.moe) {
-      if (world_) scheduled_moe(l, m, N, &phase1);
-      else b.moe->forward(tmp_.data(), ln_.data(), N);
+      if (world_) {
+        scheduled_moe(l, m, N, &phase1);
+      } else {
+        b.moe->forward(tmp_.data(), ln_.data(), N);
+        const MoeLayer::ForwardSeconds s = b.moe->take_forward_seconds();
+        stages_.gate += s.gate, stages_.exchange += s.exchange, stages_.experts += s.experts;
+      }
       if (b.moe->expert_parallel()) count_rank_rows(world_ ? exchange_ : b.moe->forward_exchange());
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];
@@ -369,9 +398,12 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
   int64_t n_out = 0;
   for (int64_t n = 0; n < N; ++n)
     if (rows[n].logits) std::copy_n(x_.data() + n * C, C, last_.data() + (n_out++) * C);
-  if (n_out == 0) return;
-  norm(ln_.data(), last_.data(), normf_w_, normf_b_, n_out);
-  linear_forward(logits, ln_.data(), wte_->value.data(), n_out, C, V);
+  if (n_out > 0) {
+    norm(ln_.data(), last_.data(), normf_w_, normf_b_, n_out);
+    linear_forward(logits, ln_.data(), wte_->value.data(), n_out, C, V);
+  }
+  ++stages_.forwards;
+  stages_.total += seconds_since(start);
 }
 
 std::vector<std::vector<int64_t>> InferenceEngine::take_expert_loads() {

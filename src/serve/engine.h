@@ -65,6 +65,20 @@ struct ScheduleStats {
   double mean_rank_rows = 0;
 };
 
+// Where this rank's forward() calls spent their wall time, in seconds summed over the calls. Unlike
+// ScheduleStats these are this rank's own clock, so they differ between ranks; a rank waits for a
+// busier one inside the collectives (gate: the statistics exchange; exchange: the all-to-alls).
+struct StageSeconds {
+  int64_t forwards = 0;  // forward() calls, heartbeats with no rows included
+  double total = 0;      // forward() from start to end
+  double gate = 0;       // MoE layers: router and its statistics exchange
+  double exchange = 0;   // MoE layers: layout, both all-to-alls, combine
+  double experts = 0;    // MoE layers: this rank's expert GEMMs
+  double schedule = 0;   // Lina's work on this thread: estimate, plans, placing, waiting for a gather
+  // The rest of total: embedding, attention, dense blocks, norms, logits.
+  double other() const { return total - gate - exchange - experts - schedule; }
+};
+
 // Thread safety: none (one thread drives it; the kernels inside use OpenMP).
 class InferenceEngine {
  public:
@@ -116,6 +130,7 @@ class InferenceEngine {
   // best of 3, over the experts read (0 when it holds none). For LinaCost::read_seconds.
   double measure_expert_read_seconds() const;
   const ScheduleStats& schedule_stats() const { return stats_; }
+  const StageSeconds& stage_seconds() const { return stages_; }
   // The last forward's routing of its rows: [N][Lm*K] every row's top-k experts at each MoE block
   // (block order, then choice order). For profiling.
   const std::vector<int32_t>& last_routes() const { return routes_; }
@@ -177,6 +192,7 @@ class InferenceEngine {
   // phase 1's plan, so it prices from here and the savings refused on a wrong estimate do not count.
   std::vector<double> foregone_before_phase1_;
   ScheduleStats stats_;
+  StageSeconds stages_;
   TokenExchange exchange_;
 };
 

@@ -80,9 +80,10 @@ class Metrics {
   }
   void rejected() { rejected_.fetch_add(1); }
   void set_load(int64_t running, int64_t waiting) { running_.store(running), waiting_.store(waiting); }
-  void set_schedule(const ScheduleStats& s) {
+  void set_schedule(const ScheduleStats& s, const StageSeconds& stages) {
     std::lock_guard<std::mutex> l(mu_);
     schedule_ = s;
+    stages_ = stages;
   }
 
   std::string prometheus() {
@@ -123,6 +124,19 @@ class Metrics {
          schedule_.mean_rank_rows);
     line("moe_schedule_gathered_bytes_total", "counter", "Expert weight bytes rank 0 sent and received for replicas.",
          static_cast<double>(schedule_.gathered_bytes));
+    line("moe_forwards_total", "counter", "Model forwards on rank 0 (one per serving step, heartbeats included).",
+         static_cast<double>(stages_.forwards));
+    line("moe_forward_seconds_total", "counter", "Rank 0's wall time in model forwards.", stages_.total);
+    line("moe_forward_gate_seconds_total", "counter",
+         "... in the MoE layers' routers and their statistics exchange (waiting for other ranks included).",
+         stages_.gate);
+    line("moe_forward_exchange_seconds_total", "counter",
+         "... in the MoE layers' token exchange: layout, both all-to-alls, combine (waiting for busier ranks included).",
+         stages_.exchange);
+    line("moe_forward_experts_seconds_total", "counter", "... in rank 0's expert computation.", stages_.experts);
+    line("moe_forward_schedule_seconds_total", "counter",
+         "... in the schedule's own work: Lina's estimate, plans, placements, waits for weight gathers.",
+         stages_.schedule);
     summary(&out, "moe_request_latency_seconds", "Arrival to last token, completed requests.", latency_);
     summary(&out, "moe_time_to_first_token_seconds", "Arrival to first token, completed requests.", first_token_);
     return out;
@@ -155,6 +169,7 @@ class Metrics {
   std::deque<double> latency_, first_token_;
   std::deque<std::pair<Clock::time_point, int64_t>> recent_;
   ScheduleStats schedule_;
+  StageSeconds stages_;
 };
 
 // Requests handed from the HTTP threads to the scheduler.
@@ -340,7 +355,7 @@ class Scheduler {
     plan();
     // With nothing to run this is a heartbeat: the other ranks wait in it instead of timing out.
     if (Status s = ranks_.step(rows_, &logits_); !s) return s;
-    metrics_.set_schedule(ranks_.engine().schedule_stats());
+    metrics_.set_schedule(ranks_.engine().schedule_stats(), ranks_.engine().stage_seconds());
     for (size_t j = 0; j < scheduled_.size(); ++j) {
       Running& r = running_[scheduled_[j]];
       const int32_t next = r.sampler.next(logits_.data() + j * V_, V_);
