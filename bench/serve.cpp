@@ -244,6 +244,7 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
     double estimated = 0, accurate = 0, replans = 0, replicas = 0, cached = 0, layer_forwards = 0, gathered = 0;
     double busiest_rows = 0, mean_rows = 0;
     double forwards = 0, fwd_total = 0, fwd_gate = 0, fwd_exchange = 0, fwd_experts = 0, fwd_schedule = 0;  // rank 0's
+    double busiest_expert_s = 0, mean_expert_s = 0;
   };
   std::vector<Result> results(schedules.size());
   for (int round = 0; round < opt.repeats; ++round)
@@ -303,6 +304,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
       r.fwd_exchange += metric(m, "moe_forward_exchange_seconds_total");
       r.fwd_experts += metric(m, "moe_forward_experts_seconds_total");
       r.fwd_schedule += metric(m, "moe_forward_schedule_seconds_total");
+      r.busiest_expert_s += metric(m, "moe_expert_seconds_busiest_rank_total");
+      r.mean_expert_s += metric(m, "moe_expert_seconds_mean_rank_total");
     }
 
   char load[64];
@@ -343,17 +346,20 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
   // Where the serving steps' time went, on rank 0 (its /metrics): the same arrivals for every
   // schedule, so a schedule that evens the experts' load shortens rank 0's wait in the exchange (and
   // the busier rank's experts), and what the schedule costs shows in its own column.
-  report.table(w.name + ": where rank 0's forwards spent their time (ms per forward, summed over the rounds' forwards)",
+  report.table(w.name + ": where the forwards spent their time (ms per forward over the rounds; rank 0's stages, every rank's experts)",
                {{"schedule", "", 0, 18}, {"forwards", "", 0}, {"forward", "ms", 3}, {"experts", "ms", 3},
                 {"exchange", "ms", 3}, {"gate", "ms", 3}, {"schedule", "ms", 3}, {"other", "ms", 3},
-                {"forward / ep", "x", 2}});
+                {"forward / ep", "x", 2}, {"experts busiest rank", "ms", 3}, {"experts mean rank", "ms", 3},
+                {"time imbalance", "x", 2}});
   const double ep_forward = results[1].forwards > 0 ? results[1].fwd_total / results[1].forwards : std::nan("");
   for (size_t k = 0; k < schedules.size(); ++k) {
     const Result& r = results[k];
     const double per = r.forwards > 0 ? 1e3 / r.forwards : std::nan("");
     const double other = r.fwd_total - r.fwd_gate - r.fwd_exchange - r.fwd_experts - r.fwd_schedule;
     report.row({schedules[k], r.forwards, r.fwd_total * per, r.fwd_experts * per, r.fwd_exchange * per,
-                r.fwd_gate * per, r.fwd_schedule * per, other * per, r.fwd_total * per / 1e3 / ep_forward});
+                r.fwd_gate * per, r.fwd_schedule * per, other * per, r.fwd_total * per / 1e3 / ep_forward,
+                r.busiest_expert_s * per, r.mean_expert_s * per,
+                r.mean_expert_s > 0 ? r.busiest_expert_s / r.mean_expert_s : std::nan("")});
   }
   return true;
 }
@@ -408,7 +414,10 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
   report.note("where the time went: rank 0's wall time in model forwards (one per serving step) split into its "
               "experts' computation, the token exchange (layout, both all-to-alls, combine: waiting for a busier rank "
               "shows here), the gate (router and its statistics exchange), the schedule's own work (Lina's estimate, "
-              "plans, placements, waits for weight gathers) and the rest (attention, dense layers, norms, logits)");
+              "plans, placements, waits for weight gathers) and the rest (attention, dense layers, norms, logits); "
+              "experts busiest / mean rank: every rank's expert time per forward (sent with its logits), the busiest "
+              "rank's and the mean; time imbalance: their ratio, what the step waits for (rows cost unequally: "
+              "imbalance above counts rows)");
   report.note("ideal: ep with a perfectly balanced gate (every expert the same load; its text is meaningless), the "
               "reference the other schedules are normalised by, as in the Lina paper");
   report.note(std::getenv("MOE_BENCH_CHECKPOINT") && *std::getenv("MOE_BENCH_CHECKPOINT")

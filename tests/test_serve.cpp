@@ -539,6 +539,16 @@ TEST_F(InferenceCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   for (const char* name : {"moe_forwards_total", "moe_forward_seconds_total", "moe_forward_experts_seconds_total",
                            "moe_forward_exchange_seconds_total", "moe_forward_gate_seconds_total"})
     EXPECT_NE(metrics->body.find(std::string("\n") + name + " "), std::string::npos) << name;
+  // Every rank's expert time came to rank 0 with its logits.
+  auto value = [&](const std::string& name) {
+    const size_t at = metrics->body.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::atof(metrics->body.c_str() + at + name.size() + 2);
+  };
+  const double busiest = value("moe_expert_seconds_busiest_rank_total"), mean = value("moe_expert_seconds_mean_rank_total");
+  EXPECT_GT(mean, 0);
+  EXPECT_GE(busiest, mean);
+  EXPECT_LT(busiest, 2 * mean) << "rank 1's expert time did not arrive (2 ranks: busiest = 2 x mean when one reads 0)";
+  EXPECT_GT(value("moe_forward_experts_seconds_total"), 0);
   // SIGTERM to mpirun reaches every rank: rank 0 answers what is running, tells the others, and all
   // return. (mpirun itself exits 1 after forwarding a signal, however its ranks ended.)
   EXPECT_NE(server.stop(60), -1) << "did not stop within 60 s\n" << server.log();

@@ -342,6 +342,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     for (int64_t i = 0; i < C; ++i) x[i] = te[i] + pe[i];
   }
   const Clock::time_point start = Clock::now();
+  const StageSeconds before = stages_;
   routes_.assign(N * n_moe_ * cfg_.top_k, 0);
   ++forwards_;
   int64_t m = 0;  // MoE blocks passed
@@ -404,6 +405,12 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
   }
   ++stages_.forwards;
   stages_.total += seconds_since(start);
+  last_stages_ = {1,
+                  stages_.total - before.total,
+                  stages_.gate - before.gate,
+                  stages_.exchange - before.exchange,
+                  stages_.experts - before.experts,
+                  stages_.schedule - before.schedule};
 }
 
 std::vector<std::vector<int64_t>> InferenceEngine::take_expert_loads() {

@@ -131,6 +131,8 @@ class InferenceEngine {
   double measure_expert_read_seconds() const;
   const ScheduleStats& schedule_stats() const { return stats_; }
   const StageSeconds& stage_seconds() const { return stages_; }
+  // The same for the last forward() alone.
+  const StageSeconds& last_stage_seconds() const { return last_stages_; }
   // The last forward's routing of its rows: [N][Lm*K] every row's top-k experts at each MoE block
   // (block order, then choice order). For profiling.
   const std::vector<int32_t>& last_routes() const { return routes_; }
@@ -192,7 +194,7 @@ class InferenceEngine {
   // phase 1's plan, so it prices from here and the savings refused on a wrong estimate do not count.
   std::vector<double> foregone_before_phase1_;
   ScheduleStats stats_;
-  StageSeconds stages_;
+  StageSeconds stages_, last_stages_;
   TokenExchange exchange_;
 };
 

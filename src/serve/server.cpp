@@ -80,10 +80,12 @@ class Metrics {
   }
   void rejected() { rejected_.fetch_add(1); }
   void set_load(int64_t running, int64_t waiting) { running_.store(running), waiting_.store(waiting); }
-  void set_schedule(const ScheduleStats& s, const StageSeconds& stages) {
+  void set_schedule(const ScheduleStats& s, const StageSeconds& stages, const Lockstep::RankTimes& times) {
     std::lock_guard<std::mutex> l(mu_);
     schedule_ = s;
     stages_ = stages;
+    busiest_expert_s_ = times.busiest_experts;
+    mean_expert_s_ = times.mean_experts;
   }
 
   std::string prometheus() {
@@ -137,6 +139,11 @@ class Metrics {
     line("moe_forward_schedule_seconds_total", "counter",
          "... in the schedule's own work: Lina's estimate, plans, placements, waits for weight gathers.",
          stages_.schedule);
+    line("moe_expert_seconds_busiest_rank_total", "counter",
+         "Expert computation of the rank with the most in each forward, summed (over the mean's: the imbalance in time).",
+         busiest_expert_s_);
+    line("moe_expert_seconds_mean_rank_total", "counter", "Expert computation per rank on average, summed likewise.",
+         mean_expert_s_);
     summary(&out, "moe_request_latency_seconds", "Arrival to last token, completed requests.", latency_);
     summary(&out, "moe_time_to_first_token_seconds", "Arrival to first token, completed requests.", first_token_);
     return out;
@@ -170,6 +177,7 @@ class Metrics {
   std::deque<std::pair<Clock::time_point, int64_t>> recent_;
   ScheduleStats schedule_;
   StageSeconds stages_;
+  double busiest_expert_s_ = 0, mean_expert_s_ = 0;
 };
 
 // Requests handed from the HTTP threads to the scheduler.
@@ -355,7 +363,7 @@ class Scheduler {
     plan();
     // With nothing to run this is a heartbeat: the other ranks wait in it instead of timing out.
     if (Status s = ranks_.step(rows_, &logits_); !s) return s;
-    metrics_.set_schedule(ranks_.engine().schedule_stats(), ranks_.engine().stage_seconds());
+    metrics_.set_schedule(ranks_.engine().schedule_stats(), ranks_.engine().stage_seconds(), ranks_.rank_times());
     for (size_t j = 0; j < scheduled_.size(); ++j) {
       Running& r = running_[scheduled_[j]];
       const int32_t next = r.sampler.next(logits_.data() + j * V_, V_);
