@@ -88,7 +88,7 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
   for (int e = 0; e < E; ++e) {
     if (!(popularity[e] > 0)) continue;
     const double share = popularity[e] / static_cast<double>(p.replicas[e].size());
-    for (int r : p.replicas[e]) rank[r] += share * cost.token_seconds + cost.read_seconds;
+    for (int r : p.replicas[e]) rank[r] += share * cost.token_seconds + cost.fixed_seconds;
   }
   return *std::max_element(rank.begin(), rank.end());
 }

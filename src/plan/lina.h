@@ -66,11 +66,12 @@ std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks);
 
 // What running and moving experts costs on these ranks, measured at start-up (serve/profile.h): the
 // figures a priced placement weighs. A rank's time for a layer is, over the experts it runs rows of,
-// its share of each expert's tokens x token_seconds plus read_seconds (a small batch's expert is
-// bound by reading its weights, which every rank running it does once).
+// its share of each expert's tokens x token_seconds plus fixed_seconds (what an expert costs a rank
+// that runs it at all: its weights read, a GEMM over a few rows below the GEMM rate; a small batch's
+// expert is bound by it, and every rank running the expert pays it).
 struct LinaCost {
-  double token_seconds = 0;  // one token through one expert, forward
-  double read_seconds = 0;   // one expert's weights read from memory
+  double token_seconds = 0;  // one token through one expert, forward, beyond fixed_seconds
+  double fixed_seconds = 0;  // one expert run on a rank in a step, whatever its tokens
   double move_seconds = 0;   // one expert's weights gathered onto a rank that does not hold them
 };
 // The busiest rank's time of placement p (LinaCost above; tokens split evenly over an expert's holders).

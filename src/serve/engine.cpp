@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "moe/experts.h"
 #include "tensor/ops.h"
 
 namespace moe::serve {
@@ -274,31 +275,48 @@ void InferenceEngine::count_rank_rows(const TokenExchange& ex) {
 
 InferenceEngine::~InferenceEngine() = default;
 
-double InferenceEngine::measure_expert_read_seconds() const {
-  // An integer sum (its additions may be reordered and vectorised, unlike a float sum's) over the
-  // weights' bits, kept live through `sink` so the reads are not optimised away.
-  std::vector<std::pair<const uint32_t*, int64_t>> spans;
-  int64_t experts = 0;
+InferenceEngine::ExpertCost InferenceEngine::measure_expert_cost(int64_t rows) const {
+  if (rows < 2) throw std::logic_error("InferenceEngine::measure_expert_cost: REQUIRES rows >= 2");
+  struct Expert {
+    const float *w1, *w2, *w3;  // this expert's rows of the layer's [E,F,C], [E,C,F], [E,F,C]
+    ExpertShape shape;          // E = 1
+  };
+  std::vector<Expert> experts;
   for (const Block& b : blocks_) {
     if (!b.moe) continue;
-    for (Param* p : b.moe->expert_params())
-      if (p->value.numel() > 0)
-        spans.emplace_back(reinterpret_cast<const uint32_t*>(p->value.data()), static_cast<int64_t>(p->value.numel()));
-    experts += b.moe->expert_params().empty() ? 0 : b.moe->expert_params()[0]->value.shape()[0];
+    const std::vector<Param*> w = b.moe->expert_params();
+    const MoeConfig& c = b.moe->config();
+    const int64_t FC = c.d_ffn * c.d_model;
+    for (int64_t i = 0; i < w[0]->value.shape()[0]; ++i)
+      experts.push_back({w[0]->value.data() + i * FC, w[1]->value.data() + i * FC,
+                         w.size() > 2 ? w[2]->value.data() + i * FC : nullptr,
+                         ExpertShape{1, c.d_model, c.d_ffn, c.activation}});
   }
-  if (experts == 0) return 0;
-  static volatile uint64_t sink = 0;
-  double best = 0;
-  for (int round = 0; round < 3; ++round) {
-    const auto t0 = std::chrono::steady_clock::now();
-    uint64_t sum = 0;
-    for (const auto& [data, n] : spans)
-      for (int64_t i = 0; i < n; ++i) sum += data[i];
-    sink = sink + sum;
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (round == 0 || s < best) best = s;
-  }
-  return best / static_cast<double>(experts);
+  if (experts.empty()) return {};
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
+  const bool swiglu = experts[0].w3 != nullptr;
+  std::vector<float> xp(rows * C, 0.01f), out(rows * C), h1(rows * F), h3(swiglu ? rows * F : 0), act(rows * F);
+  // Seconds per expert for n rows, every expert once.
+  auto pass = [&](int64_t n) {
+    const int64_t off[2] = {0, n};
+    const Clock::time_point t = Clock::now();
+    for (const Expert& e : experts)
+      experts_forward(out.data(), h1.data(), swiglu ? h3.data() : nullptr, act.data(), xp.data(), off, e.w1, e.w2,
+                      e.w3, e.shape);
+    return seconds_since(t) / static_cast<double>(experts.size());
+  };
+  pass(rows);  // warm-up
+  std::vector<double> one, many;
+  for (int i = 0; i < 5; ++i) one.push_back(pass(1)), many.push_back(pass(rows));
+  auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  const double t1 = median(one), tn = median(many);
+  ExpertCost cost;
+  cost.row_seconds = std::max(0.0, (tn - t1) / static_cast<double>(rows - 1));
+  cost.fixed_seconds = std::max(0.0, t1 - cost.row_seconds);
+  return cost;
 }
 
 // Each row attends over its slot's cached positions 0..pos with attention_forward's arithmetic

@@ -61,18 +61,19 @@ Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, pla
   runtime::RawCosts mine, agreed;
   if (Status s = runtime::measure_costs(world, nodes, cfg, rows, &mine); !s) return Status::error("lina cost: " + s.message());
   if (Status s = runtime::agree_costs(world, mine, &agreed); !s) return Status::error("lina cost: " + s.message());
-  double read = engine.measure_expert_read_seconds();
+  const InferenceEngine::ExpertCost expert = engine.measure_expert_cost(std::max<int64_t>(rows, 2));
+  double fit[2] = {expert.fixed_seconds, expert.row_seconds};
   if (world) {
-    if (Status s = world->allreduce(&read, 1); !s) return Status::error("lina cost: " + s.message());
-    read /= R;
+    if (Status s = world->allreduce(fit, 2); !s) return Status::error("lina cost: " + s.message());
+    fit[0] /= R, fit[1] /= R;
   }
   const double mats = cfg.activation == "swiglu" ? 3 : 2;
   const double expert_bytes = mats * static_cast<double>(cfg.d_model * cfg.d_ffn) * sizeof(float);
   const double bandwidth = agreed.intra_node.bandwidth;
-  if (!(agreed.gemm_flops > 0) || (R > 1 && !(bandwidth > 0)))
-    return Status::error("lina cost: the measurement gave no GEMM rate or no link bandwidth");
-  out->token_seconds = 2 * mats * static_cast<double>(cfg.d_model * cfg.d_ffn) / agreed.gemm_flops;
-  out->read_seconds = read;
+  if (!(fit[1] > 0) || (R > 1 && !(bandwidth > 0)))
+    return Status::error("lina cost: the measurement gave no time per token or no link bandwidth");
+  out->token_seconds = fit[1];
+  out->fixed_seconds = fit[0];
   out->move_seconds = R > 1 ? agreed.intra_node.latency + expert_bytes / bandwidth : 0;
   return Status::ok();
 }
@@ -94,9 +95,9 @@ Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const 
   engine.set_replica_cache(replica_cache >= 0 ? replica_cache
                                               : static_cast<int>(engine.config().n_experts / world->size()));
   if (world->rank() == 0)
-    std::fprintf(stderr, "lina cost (measured): a token through an expert %.2f us, an expert's weights read %.1f us, "
-                 "moved %.1f us; replica cache %d per rank and MoE layer\n", cost.token_seconds * 1e6,
-                 cost.read_seconds * 1e6, cost.move_seconds * 1e6, engine.replica_cache());
+    std::fprintf(stderr, "lina cost (measured): an expert run on a rank %.1f us + %.2f us a token, its weights "
+                 "moved %.1f us; replica cache %d per rank and MoE layer\n", cost.fixed_seconds * 1e6,
+                 cost.token_seconds * 1e6, cost.move_seconds * 1e6, engine.replica_cache());
   return Status::ok();
 }
 
