@@ -346,7 +346,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
   // Where the serving steps' time went, on rank 0 (its /metrics): the same arrivals for every
   // schedule, so a schedule that evens the experts' load shortens rank 0's wait in the exchange (and
   // the busier rank's experts), and what the schedule costs shows in its own column.
-  report.table(w.name + ": where the forwards spent their time (ms per forward over the rounds; rank 0's stages, every rank's experts)",
+  report.table(w.name + ": where the forwards spent their time (ms per forward over the rounds; rank 0's stages, "
+                        "every rank's experts)",
                {{"schedule", "", 0, 18}, {"forwards", "", 0}, {"forward", "ms", 3}, {"experts", "ms", 3},
                 {"exchange", "ms", 3}, {"gate", "ms", 3}, {"schedule", "ms", 3}, {"other", "ms", 3},
                 {"forward / ep", "x", 2}, {"experts busiest rank", "ms", 3}, {"experts mean rank", "ms", 3},

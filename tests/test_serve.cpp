@@ -245,6 +245,21 @@ TEST(Engine, ReplicaCacheOnTwoRanks) {
     if (line.rfind("rank ", 0) == 0) std::printf("%s\n", line.c_str());
 }
 
+// Lina's price of running an expert: a line through the expert kernel's own time at 1 row and at
+// `rows` (timed, so only its shape is checked here: a token adds time, nothing is negative).
+TEST(Engine, ExpertCostIsALineThroughTheKernelsTime) {
+  const ModelConfig cfg = small_config(false);
+  Model model(cfg, 1);
+  model.init(3);
+  const InferenceEngine e(model, 1, 4);
+  const InferenceEngine::ExpertCost cost = e.measure_expert_cost(256);
+  EXPECT_GT(cost.row_seconds, 0);
+  EXPECT_GE(cost.fixed_seconds, 0);
+  std::printf("an expert of C%lld F%lld: %.2f us + %.3f us a row\n", static_cast<long long>(cfg.d_model),
+              static_cast<long long>(cfg.d_ffn), cost.fixed_seconds * 1e6, cost.row_seconds * 1e6);
+  EXPECT_THROW(e.measure_expert_cost(1), std::logic_error);
+}
+
 TEST(Engine, RejectsRowsOutOfRange) {
   const ModelConfig cfg = small_config(false);
   Model model(cfg, 1);
@@ -544,7 +559,8 @@ TEST_F(InferenceCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
     const size_t at = metrics->body.find("\n" + name + " ");
     return at == std::string::npos ? -1.0 : std::atof(metrics->body.c_str() + at + name.size() + 2);
   };
-  const double busiest = value("moe_expert_seconds_busiest_rank_total"), mean = value("moe_expert_seconds_mean_rank_total");
+  const double busiest = value("moe_expert_seconds_busiest_rank_total");
+  const double mean = value("moe_expert_seconds_mean_rank_total");
   EXPECT_GT(mean, 0);
   EXPECT_GE(busiest, mean);
   EXPECT_LT(busiest, 2 * mean) << "rank 1's expert time did not arrive (2 ranks: busiest = 2 x mean when one reads 0)";

@@ -23,7 +23,8 @@ Status profile_routing(InferenceEngine& engine, comm::Communicator* world, const
 
 // What the lina schedules' priced placement weighs (plan::LinaCost), measured on these ranks: a
 // link's alpha-beta (runtime/measure_costs.h) and an expert's forward time as fixed + per token
-// (InferenceEngine::measure_expert_cost); the ranks agree on the mean, so every rank plans alike. Collective over world (null: one process, no move).
+// (InferenceEngine::measure_expert_cost); the ranks agree on the mean, so every rank plans alike.
+// Collective over world (null: one process, no move).
 Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, plan::LinaCost* out);
 
 // Sets the engine's schedule by name (engine.h): for lina and lina-no-phase2 first profiles the

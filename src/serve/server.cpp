@@ -140,7 +140,8 @@ class Metrics {
          "... in the schedule's own work: Lina's estimate, plans, placements, waits for weight gathers.",
          stages_.schedule);
     line("moe_expert_seconds_busiest_rank_total", "counter",
-         "Expert computation of the rank with the most in each forward, summed (over the mean's: the imbalance in time).",
+         "Expert computation of the rank with the most in each forward, summed (over the mean's: the imbalance "
+         "in time).",
          busiest_expert_s_);
     line("moe_expert_seconds_mean_rank_total", "counter", "Expert computation per rank on average, summed likewise.",
          mean_expert_s_);
