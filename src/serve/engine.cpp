@@ -352,6 +352,8 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     else layernorm_forward(out, norm_mean_.data(), norm_rstd_.data(), in, w->value.data(), b->value.data(), n, C, kNormEps);
   };
 
+  const Clock::time_point start = Clock::now();
+  const StageSeconds before = stages_;
   // x[n] = wte[token] + wpe[pos]
   for (int64_t n = 0; n < N; ++n) {
     const float* te = wte_->value.data() + static_cast<int64_t>(rows[n].token) * C;
@@ -359,8 +361,6 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     float* x = x_.data() + n * C;
     for (int64_t i = 0; i < C; ++i) x[i] = te[i] + pe[i];
   }
-  const Clock::time_point start = Clock::now();
-  const StageSeconds before = stages_;
   routes_.assign(N * n_moe_ * cfg_.top_k, 0);
   ++forwards_;
   int64_t m = 0;  // MoE blocks passed
