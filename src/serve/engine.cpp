@@ -216,11 +216,11 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   const int64_t E = cfg_.n_experts, K = cfg_.top_k, stride = n_moe_ * K;
   Clock::time_point t = Clock::now();
   if (phase1->valid()) phase1->get();  // rethrows the gather's error
-  stages_.schedule += seconds_since(t);
+  last_stages_.schedule += seconds_since(t);
   const std::vector<double>& estimate = estimate_;
   t = Clock::now();
   moe->ep_gate(ln_.data(), N);
-  stages_.gate += seconds_since(t);
+  last_stages_.gate += seconds_since(t);
   t = Clock::now();
   next_estimate_.clear();
   if (estimates() && m + 1 < n_moe_) {
@@ -232,10 +232,10 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
     }
     next_estimate_ = profile_->estimate(m + 1, paths, K);
   }
-  stages_.schedule += seconds_since(t);
+  last_stages_.schedule += seconds_since(t);
   t = Clock::now();
   moe->ep_gate_sync(&next_estimate_);
-  stages_.gate += seconds_since(t);
+  last_stages_.gate += seconds_since(t);
   t = Clock::now();
   std::vector<double> actual(E, 0.0);
   for (const auto& rank_counts : moe->routed_counts())
@@ -249,18 +249,18 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
     place(m, moe, plan_block(m, *moe, actual));
     stats_.replanned += !estimate.empty();  // the first MoE block has no estimate to re-plan
   }
-  stages_.schedule += seconds_since(t);
+  last_stages_.schedule += seconds_since(t);
   t = Clock::now();
   moe->ep_dispatch(&exchange_);
   moe->ep_dispatch_a2a(exchange_);
-  stages_.exchange += seconds_since(t);
+  last_stages_.exchange += seconds_since(t);
   t = Clock::now();
   moe->ep_experts(&exchange_);
-  stages_.experts += seconds_since(t);
+  last_stages_.experts += seconds_since(t);
   t = Clock::now();
   moe->ep_combine_a2a(exchange_);
   moe->ep_combine(exchange_, tmp_.data());
-  stages_.exchange += seconds_since(t);
+  last_stages_.exchange += seconds_since(t);
 }
 
 // The rows every rank's experts ran in the MoE layer forward that used `ex` (its dispatch plan is
@@ -353,7 +353,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
   };
 
   const Clock::time_point start = Clock::now();
-  const StageSeconds before = stages_;
+  last_stages_ = {};
   // x[n] = wte[token] + wpe[pos]
   for (int64_t n = 0; n < N; ++n) {
     const float* te = wte_->value.data() + static_cast<int64_t>(rows[n].token) * C;
@@ -370,7 +370,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     if (b.moe && world_) {
       const Clock::time_point t = Clock::now();
       phase1 = start_phase1(l, m);
-      stages_.schedule += seconds_since(t);
+      last_stages_.schedule += seconds_since(t);
     }
     // h = x + proj(attention(qkv(norm1(x))))
     if (N > 0) {
@@ -393,7 +393,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
       } else {
         b.moe->forward(tmp_.data(), ln_.data(), N);
         const MoeLayer::ForwardSeconds s = b.moe->take_forward_seconds();
-        stages_.gate += s.gate, stages_.exchange += s.exchange, stages_.experts += s.experts;
+        last_stages_.gate += s.gate, last_stages_.exchange += s.exchange, last_stages_.experts += s.experts;
       }
       if (b.moe->expert_parallel()) count_rank_rows(world_ ? exchange_ : b.moe->forward_exchange());
       const Routing& r = b.moe->routing();
@@ -421,14 +421,9 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     norm(ln_.data(), last_.data(), normf_w_, normf_b_, n_out);
     linear_forward(logits, ln_.data(), wte_->value.data(), n_out, C, V);
   }
-  ++stages_.forwards;
-  stages_.total += seconds_since(start);
-  last_stages_ = {1,
-                  stages_.total - before.total,
-                  stages_.gate - before.gate,
-                  stages_.exchange - before.exchange,
-                  stages_.experts - before.experts,
-                  stages_.schedule - before.schedule};
+  last_stages_.forwards = 1;
+  last_stages_.total = seconds_since(start);
+  stages_ += last_stages_;
 }
 
 std::vector<std::vector<int64_t>> InferenceEngine::take_expert_loads() {

@@ -77,6 +77,11 @@ struct StageSeconds {
   double schedule = 0;   // Lina's work on this thread: estimate, plans, placing, waiting for a gather
   // The rest of total: embedding, attention, dense blocks, norms, logits.
   double other() const { return total - gate - exchange - experts - schedule; }
+  StageSeconds& operator+=(const StageSeconds& o) {
+    forwards += o.forwards, total += o.total, gate += o.gate, exchange += o.exchange, experts += o.experts;
+    schedule += o.schedule;
+    return *this;
+  }
 };
 
 // Thread safety: none (one thread drives it; the kernels inside use OpenMP).

@@ -1,6 +1,7 @@
 #include "serve/lockstep.h"
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 
 namespace moe::serve {
@@ -10,8 +11,8 @@ namespace {
 // The broadcast plan: [kind, n, then n x (rank, slot, pos, token, logits)].
 enum Kind : int64_t { kStep = 1, kFinish = 2 };
 constexpr int64_t kFields = 5;
-// Each rank's logits are followed by its forward's stage seconds: total, gate, exchange, experts, schedule.
-constexpr int64_t kTimes = 5;
+// Each rank's logits are followed by its forward's expert seconds.
+constexpr int64_t kTimes = 1;
 
 }  // namespace
 
@@ -38,20 +39,11 @@ Lockstep::Lockstep(InferenceEngine& engine, comm::Communicator* world) : engine_
   } else {
     world_ = nullptr;
   }
-  times_.per_rank.resize(size_);
 }
 
-void Lockstep::add_times(const std::vector<StageSeconds>& step) {
-  double busiest = 0, sum = 0;
-  for (int r = 0; r < size_; ++r) {
-    StageSeconds& t = times_.per_rank[r];
-    const StageSeconds& s = step[r];
-    t.forwards += s.forwards, t.total += s.total, t.gate += s.gate, t.exchange += s.exchange;
-    t.experts += s.experts, t.schedule += s.schedule;
-    busiest = std::max(busiest, s.experts), sum += s.experts;
-  }
-  times_.busiest_experts += busiest;
-  times_.mean_experts += sum / size_;
+void Lockstep::add_times(std::span<const float> expert_seconds) {
+  times_.busiest_experts += *std::max_element(expert_seconds.begin(), expert_seconds.end());
+  times_.mean_experts += std::accumulate(expert_seconds.begin(), expert_seconds.end(), 0.0) / size_;
 }
 
 Status Lockstep::step(const std::vector<PlacedRow>& rows, std::vector<float>* logits) {
@@ -107,26 +99,21 @@ Status Lockstep::run(const std::vector<PlacedRow>& rows, std::vector<float>* log
   }
   my_logits_.resize(logit_rows[rank_] * V);
   engine_.forward(mine_, my_logits_.data());
-  const StageSeconds& t = engine_.last_stage_seconds();
+  const float expert_seconds = static_cast<float>(engine_.last_stage_seconds().experts);
   if (!world_) {
     if (logits) *logits = my_logits_;
-    add_times({t});
+    add_times({&expert_seconds, 1});
     return Status::ok();
   }
-  my_logits_.insert(my_logits_.end(), {static_cast<float>(t.total), static_cast<float>(t.gate),
-                                       static_cast<float>(t.exchange), static_cast<float>(t.experts),
-                                       static_cast<float>(t.schedule)});
+  my_logits_.push_back(expert_seconds);
   std::vector<int64_t> counts(size_), displs(size_);
   int64_t total = 0;
   for (int r = 0; r < size_; ++r) counts[r] = logit_rows[r] * V + kTimes, displs[r] = total, total += counts[r];
   std::vector<float> gathered(total);
   if (Status s = world_->allgatherv(my_logits_.data(), counts[rank_], gathered.data(), counts, displs); !s) return s;
   if (!logits) return Status::ok();
-  std::vector<StageSeconds> step(size_);
-  for (int r = 0; r < size_; ++r) {
-    const float* f = gathered.data() + displs[r] + logit_rows[r] * V;
-    step[r] = {1, f[0], f[1], f[2], f[3], f[4]};
-  }
+  std::vector<float> step(size_);
+  for (int r = 0; r < size_; ++r) step[r] = gathered[displs[r] + logit_rows[r] * V];
   add_times(step);
   // Row order: the i-th logit row of rank r is at displs[r] + i * V.
   logits->resize(total - size_ * kTimes);

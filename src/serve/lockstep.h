@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -53,19 +54,18 @@ class Lockstep {
   // Followers: run the lead's steps until finish(). REQUIRES: !lead().
   Status follow();
 
-  // Lead: every rank's forward time by stage, summed over the steps (each rank's own clock, sent with
-  // its logits), and the expert time of the busiest rank and of the ranks' mean, summed over the
-  // steps: busiest / mean is the imbalance in time that a schedule leaves (rows cost unequally: a
-  // decode step's expert time is mostly reading weights, whatever the rows).
+  // Lead: the expert time of the busiest rank and of the ranks' mean, summed over the steps (each
+  // rank's own clock, sent with its logits): busiest / mean is the imbalance in time that a schedule
+  // leaves (rows cost unequally: a decode step's expert time is mostly fixed per expert, whatever
+  // the rows).
   struct RankTimes {
-    std::vector<StageSeconds> per_rank;
     double busiest_experts = 0, mean_experts = 0;
   };
   const RankTimes& rank_times() const { return times_; }
 
  private:
   Status run(const std::vector<PlacedRow>& rows, std::vector<float>* logits);
-  void add_times(const std::vector<StageSeconds>& step);  // one step's, every rank's
+  void add_times(std::span<const float> expert_seconds);  // one step's, every rank's
 
   InferenceEngine& engine_;
   comm::Communicator* world_;
