@@ -57,11 +57,13 @@ Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, pla
   const int R = world ? world->size() : 1;
   plan::Nodes nodes;  // one class of link: whatever joins the ranks is what a gather crosses
   nodes.node_of_rank.assign(R, 0);
-  const int64_t rows = std::max<int64_t>(1, engine.max_rows() * cfg.top_k / cfg.n_experts);
   runtime::RawCosts mine, agreed;
-  if (Status s = runtime::measure_costs(world, nodes, cfg, rows, &mine); !s) return Status::error("lina cost: " + s.message());
+  if (Status s = runtime::measure_links(world, nodes, /*quick=*/false, &mine); !s)
+    return Status::error("lina cost: " + s.message());
   if (Status s = runtime::agree_costs(world, mine, &agreed); !s) return Status::error("lina cost: " + s.message());
-  const InferenceEngine::ExpertCost expert = engine.measure_expert_cost(std::max<int64_t>(rows, 2));
+  // An expert's time at 1 row and at a prefill's rows per expert.
+  const int64_t rows = std::max<int64_t>(2, engine.max_rows() * cfg.top_k / cfg.n_experts);
+  const InferenceEngine::ExpertCost expert = engine.measure_expert_cost(rows);
   double fit[2] = {expert.fixed_seconds, expert.row_seconds};
   if (world) {
     if (Status s = world->allreduce(fit, 2); !s) return Status::error("lina cost: " + s.message());
