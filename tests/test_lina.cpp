@@ -89,7 +89,7 @@ TEST(LinaPlan, PopularExpertsGetReplicasOnTheLeastLoadedRanks) {
 TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
   const LayerPlacement owners = moe::plan::even_placement(4, 2);
   const std::vector<double> pop{30, 2, 2, 2};
-  moe::plan::LinaCost cost{1e-3, 0.5e-3, 10e-3};
+  moe::plan::LinaCost cost = moe::plan::LinaCost::affine(0.5e-3, 1e-3, 10e-3);
   EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(owners, pop, cost), 33e-3);
   const LayerPlacement cheap = moe::plan::lina_placement(pop, owners, &cost);
   EXPECT_EQ(cheap.replicas[0], (std::vector<int>{0, 1}));
@@ -100,10 +100,47 @@ TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
   // A decode-sized batch (6 tokens) at 10 us a token: reading the weights dominates, and a replica
   // makes its new holder read them too (1.04 ms -> 1.535 ms on rank 1): refused even when held.
   const std::vector<double> small{3, 1, 1, 1};
-  const moe::plan::LinaCost decode{10e-6, 0.5e-3, 0};
+  const moe::plan::LinaCost decode = moe::plan::LinaCost::affine(0.5e-3, 10e-6, 0);
   EXPECT_EQ(moe::plan::lina_slots(small, 2)[0], 2);  // the unpriced rule would replicate it
   EXPECT_EQ(moe::plan::lina_placement(small, owners).replicas[0], (std::vector<int>{0, 1}));
   EXPECT_EQ(moe::plan::lina_placement(small, owners, &decode, &cheap).replicas, owners.replicas);
+}
+
+// The price of an expert is its measured curve: linear between the points, from 0 at 0 rows, on the
+// last segment's slope beyond the last point, flat beyond a single point.
+TEST(LinaPlan, ExpertSecondsFollowsTheMeasuredCurve) {
+  const moe::plan::LinaCost c{{1, 4, 16}, {2e-4, 4e-4, 10e-4}, 0};
+  EXPECT_DOUBLE_EQ(c.expert_seconds(0), 0);
+  EXPECT_DOUBLE_EQ(c.expert_seconds(0.5), 1e-4);
+  EXPECT_DOUBLE_EQ(c.expert_seconds(1), 2e-4);
+  EXPECT_NEAR(c.expert_seconds(2.5), 3e-4, 1e-15);
+  EXPECT_DOUBLE_EQ(c.expert_seconds(4), 4e-4);
+  EXPECT_NEAR(c.expert_seconds(10), 7e-4, 1e-15);
+  EXPECT_NEAR(c.expert_seconds(32), 18e-4, 1e-15);  // 0.5 us a row beyond 16, as between 4 and 16
+  const moe::plan::LinaCost one{{8}, {5e-4}, 0};
+  EXPECT_DOUBLE_EQ(one.expert_seconds(4), 2.5e-4);
+  EXPECT_DOUBLE_EQ(one.expert_seconds(100), 5e-4);
+  EXPECT_THROW(moe::plan::LinaCost{}.expert_seconds(1), std::logic_error);
+  const moe::plan::LinaCost a = moe::plan::LinaCost::affine(0.5e-3, 1e-3, 0);
+  EXPECT_NEAR(a.expert_seconds(30), 30.5e-3, 1e-15);
+}
+
+// Where the kernel's time is nearly flat over a decode batch's rows (as measured on CPUs: 2 to ~12
+// rows cost about the same), splitting a hot expert's 12 tokens saves its owner 21 us (t(12) - t(6)),
+// while its new holder pays t(6) = 364 us on a load 50 us above the owner's other work (rank 0: expert
+// 1, 1 token, 200 us; rank 1: experts 2 and 3, 1 and 0.25 tokens, 250 us): the busiest rank gets slower,
+// so even a free (held) replica is refused. A line through the same 1-row and 64-row times prices the
+// split at 105 us saved and keeps it.
+TEST(LinaPlan, AFlatCurveRefusesADecodeReplicaThatALineWouldKeep) {
+  const LayerPlacement owners = moe::plan::even_placement(4, 2);
+  const std::vector<double> pop{12, 1, 1, 0.25};
+  const moe::plan::LinaCost curve{{1, 2, 16, 64}, {0.2e-3, 0.35e-3, 0.4e-3, 1.3e-3}, 0};
+  const double per_token = 1.1e-3 / 63;
+  const moe::plan::LinaCost line = moe::plan::LinaCost::affine(0.2e-3 - per_token, per_token, 0);
+  LayerPlacement held = owners;
+  held.replicas[0] = {0, 1};
+  EXPECT_EQ(moe::plan::lina_placement(pop, owners, &line, &held).replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(moe::plan::lina_placement(pop, owners, &curve, &held).replicas, owners.replicas);
 }
 
 // Rent or buy: the same hot expert (12.5 ms saved a step, as above) against a 30 ms move. Refused on
@@ -113,7 +150,7 @@ TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
 TEST(LinaPlan, RentOrBuyBuysAReplicaOnceTheRefusedSavingsPassItsMove) {
   const LayerPlacement owners = moe::plan::even_placement(4, 2);
   const std::vector<double> pop{30, 2, 2, 2};
-  const moe::plan::LinaCost cost{1e-3, 0.5e-3, 30e-3};
+  const moe::plan::LinaCost cost = moe::plan::LinaCost::affine(0.5e-3, 1e-3, 30e-3);
   std::vector<double> foregone(2 * 4, 0.0);
   for (int step = 1; step <= 2; ++step) {
     EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost, &owners, &foregone).replicas, owners.replicas) << step;

@@ -245,19 +245,23 @@ TEST(Engine, ReplicaCacheOnTwoRanks) {
     if (line.rfind("rank ", 0) == 0) std::printf("%s\n", line.c_str());
 }
 
-// Lina's price of running an expert: a line through the expert kernel's own time at 1 row and at
-// `rows` (timed, so only its shape is checked here: a token adds time, nothing is negative).
-TEST(Engine, ExpertCostIsALineThroughTheKernelsTime) {
+// Lina's price of running an expert: the expert kernel's own time at a few row counts (timed, so only
+// its shape is checked here: every point took time, 256 rows more than 1; no rows or 0 rows refused).
+TEST(Engine, ExpertSecondsAreTheKernelsTimeAtEachRowCount) {
   const ModelConfig cfg = small_config(false);
   Model model(cfg, 1);
   model.init(3);
   const InferenceEngine e(model, 1, 4);
-  const InferenceEngine::ExpertCost cost = e.measure_expert_cost(256);
-  EXPECT_GT(cost.row_seconds, 0);
-  EXPECT_GE(cost.fixed_seconds, 0);
-  std::printf("an expert of C%lld F%lld: %.2f us + %.3f us a row\n", static_cast<long long>(cfg.d_model),
-              static_cast<long long>(cfg.d_ffn), cost.fixed_seconds * 1e6, cost.row_seconds * 1e6);
-  EXPECT_THROW(e.measure_expert_cost(1), std::logic_error);
+  const std::vector<int64_t> rows{1, 16, 256};
+  const std::vector<double> t = e.measure_expert_seconds(rows);
+  ASSERT_EQ(t.size(), rows.size());
+  for (double s : t) EXPECT_GT(s, 0);
+  EXPECT_GT(t[2], t[0]);
+  std::printf("an expert of C%lld F%lld: 1 row %.2f us, 16 rows %.2f us, 256 rows %.2f us\n",
+              static_cast<long long>(cfg.d_model), static_cast<long long>(cfg.d_ffn), t[0] * 1e6, t[1] * 1e6,
+              t[2] * 1e6);
+  EXPECT_THROW(e.measure_expert_seconds({}), std::logic_error);
+  EXPECT_THROW(e.measure_expert_seconds({0}), std::logic_error);
 }
 
 TEST(Engine, RejectsRowsOutOfRange) {

@@ -81,6 +81,23 @@ std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks) 
   return slots;
 }
 
+double LinaCost::expert_seconds(double tokens) const {
+  if (rows.empty() || rows.size() != seconds.size())
+    throw std::logic_error("LinaCost::expert_seconds: REQUIRES rows and seconds of one size >= 1");
+  if (!(tokens > 0)) return 0;
+  const size_t n = rows.size();
+  if (tokens <= rows[0]) return seconds[0] * tokens / rows[0];
+  const size_t hi = std::min<size_t>(n - 1, std::upper_bound(rows.begin(), rows.end(), tokens) - rows.begin());
+  if (hi == 0) return seconds[0];  // one point: flat beyond it
+  const size_t lo = hi - 1;
+  const double slope = (seconds[hi] - seconds[lo]) / (rows[hi] - rows[lo]);
+  return seconds[lo] + slope * (tokens - rows[lo]);
+}
+
+LinaCost LinaCost::affine(double fixed_seconds, double token_seconds, double move_seconds) {
+  return LinaCost{{1, 2}, {fixed_seconds + token_seconds, fixed_seconds + 2 * token_seconds}, move_seconds};
+}
+
 double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& popularity, const LinaCost& cost) {
   const int E = p.n_experts();
   if (static_cast<int>(popularity.size()) != E) throw std::logic_error("lina_busiest_seconds: popularity is not [E]");
@@ -88,7 +105,7 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
   for (int e = 0; e < E; ++e) {
     if (!(popularity[e] > 0)) continue;
     const double share = popularity[e] / static_cast<double>(p.replicas[e].size());
-    for (int r : p.replicas[e]) rank[r] += share * cost.token_seconds + cost.fixed_seconds;
+    for (int r : p.replicas[e]) rank[r] += cost.expert_seconds(share);
   }
   return *std::max_element(rank.begin(), rank.end());
 }

@@ -65,14 +65,23 @@ class PathProfile {
 std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks);
 
 // What running and moving experts costs on these ranks, measured at start-up (serve/profile.h): the
-// figures a priced placement weighs. A rank's time for a layer is, over the experts it runs rows of,
-// its share of each expert's tokens x token_seconds plus fixed_seconds (what an expert costs a rank
-// that runs it at all: its weights read, a GEMM over a few rows below the GEMM rate; a small batch's
-// expert is bound by it, and every rank running the expert pays it).
+// figures a priced placement weighs. A rank's time for a layer is the sum, over the experts it runs
+// rows of, of expert_seconds(its share of the expert's tokens). expert_seconds is the expert kernel's
+// measured time as a function of its rows, not a line: on a CPU it is nearly flat from 2 to ~12 rows
+// (the weights are read once, whatever the rows) and grows with the rows beyond, so a replica that
+// splits a decode batch's few tokens saves its owner almost nothing while its new holder pays the
+// whole read, and one that splits a prefill's hundreds saves about half the expert's time.
 struct LinaCost {
-  double token_seconds = 0;  // one token through one expert, forward, beyond fixed_seconds
-  double fixed_seconds = 0;  // one expert run on a rank in a step, whatever its tokens
-  double move_seconds = 0;   // one expert's weights gathered onto a rank that does not hold them
+  // The curve: one expert's forward at rows[i] rows took seconds[i]. rows ascending from >= 1;
+  // seconds non-decreasing (the measurement takes a running maximum: more rows never cost less).
+  std::vector<double> rows, seconds;
+  double move_seconds = 0;  // one expert's weights gathered onto a rank that does not hold them
+  // Linear between the points, from (0 rows, 0 s) to the first, beyond the last on the last segment's
+  // slope (flat with one point). tokens may be fractional (an estimate's expected count).
+  // REQUIRES: rows and seconds of one size >= 1 (std::logic_error).
+  double expert_seconds(double tokens) const;
+  // A two-point curve, fixed + token_seconds x tokens at 1 and 2 tokens (tests, hand-made prices).
+  static LinaCost affine(double fixed_seconds, double token_seconds, double move_seconds);
 };
 // The busiest rank's time of placement p (LinaCost above; tokens split evenly over an expert's holders).
 double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& popularity, const LinaCost& cost);

@@ -275,8 +275,10 @@ void InferenceEngine::count_rank_rows(const TokenExchange& ex) {
 
 InferenceEngine::~InferenceEngine() = default;
 
-InferenceEngine::ExpertCost InferenceEngine::measure_expert_cost(int64_t rows) const {
-  if (rows < 2) throw std::logic_error("InferenceEngine::measure_expert_cost: REQUIRES rows >= 2");
+std::vector<double> InferenceEngine::measure_expert_seconds(const std::vector<int64_t>& rows) const {
+  if (rows.empty()) throw std::logic_error("InferenceEngine::measure_expert_seconds: REQUIRES rows");
+  for (int64_t n : rows)
+    if (n < 1) throw std::logic_error("InferenceEngine::measure_expert_seconds: REQUIRES rows >= 1");
   struct Expert {
     const float *w1, *w2, *w3;  // this expert's rows of the layer's [E,F,C], [E,C,F], [E,F,C]
     ExpertShape shape;          // E = 1
@@ -292,10 +294,10 @@ InferenceEngine::ExpertCost InferenceEngine::measure_expert_cost(int64_t rows) c
                          w.size() > 2 ? w[2]->value.data() + i * FC : nullptr,
                          ExpertShape{1, c.d_model, c.d_ffn, c.activation}});
   }
-  if (experts.empty()) return {};
-  const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
+  if (experts.empty()) return std::vector<double>(rows.size(), 0.0);
+  const int64_t C = cfg_.d_model, F = cfg_.d_ffn, most = *std::max_element(rows.begin(), rows.end());
   const bool swiglu = experts[0].w3 != nullptr;
-  std::vector<float> xp(rows * C, 0.01f), out(rows * C), h1(rows * F), h3(swiglu ? rows * F : 0), act(rows * F);
+  std::vector<float> xp(most * C, 0.01f), out(most * C), h1(most * F), h3(swiglu ? most * F : 0), act(most * F);
   // Seconds per expert for n rows, every expert once.
   auto pass = [&](int64_t n) {
     const int64_t off[2] = {0, n};
@@ -305,18 +307,16 @@ InferenceEngine::ExpertCost InferenceEngine::measure_expert_cost(int64_t rows) c
                       e.w3, e.shape);
     return seconds_since(t) / static_cast<double>(experts.size());
   };
-  pass(rows);  // warm-up
-  std::vector<double> one, many;
-  for (int i = 0; i < 5; ++i) one.push_back(pass(1)), many.push_back(pass(rows));
-  auto median = [](std::vector<double> v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
-  const double t1 = median(one), tn = median(many);
-  ExpertCost cost;
-  cost.row_seconds = std::max(0.0, (tn - t1) / static_cast<double>(rows - 1));
-  cost.fixed_seconds = std::max(0.0, t1 - cost.row_seconds);
-  return cost;
+  pass(most);  // warm-up
+  std::vector<std::vector<double>> times(rows.size());
+  for (int i = 0; i < 5; ++i)  // the sizes in turn, so a slow spell of the machine falls on all of them
+    for (size_t j = 0; j < rows.size(); ++j) times[j].push_back(pass(rows[j]));
+  std::vector<double> median(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) {
+    std::nth_element(times[j].begin(), times[j].begin() + 2, times[j].end());
+    median[j] = times[j][2];
+  }
+  return median;
 }
 
 // Each row attends over its slot's cached positions 0..pos with attention_forward's arithmetic

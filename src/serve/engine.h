@@ -131,16 +131,11 @@ class InferenceEngine {
   // step's saving. The same on every rank; call before the first forward.
   void set_replica_cache(int per_rank) { replica_cache_ = per_rank < 0 ? 0 : per_rank; }
   int replica_cache() const { return replica_cache_; }
-  // One of this rank's experts' forward time as fixed + row x rows, for plan::LinaCost: every expert
-  // of every MoE block run in turn (as a step runs them, so each one's weights come from wherever
-  // the others left them), once with 1 row and once with `rows`, the median of 5 passes of each, and
-  // the line through the two. fixed is what an expert costs a rank that runs it at all (its weights
-  // read, a GEMM over a few rows below the GEMM rate), row what each token adds. Zeros when this
-  // rank holds no expert. REQUIRES: rows >= 2.
-  struct ExpertCost {
-    double fixed_seconds = 0, row_seconds = 0;
-  };
-  ExpertCost measure_expert_cost(int64_t rows) const;
+  // One of this rank's experts' forward time at each of `rows` rows, for plan::LinaCost's curve: every
+  // expert of every MoE block run in turn (as a step runs them, so each one's weights come from
+  // wherever the others left them), 5 passes over the sizes in turn, the median of each. Zeros when
+  // this rank holds no expert. REQUIRES: rows non-empty, each >= 1.
+  std::vector<double> measure_expert_seconds(const std::vector<int64_t>& rows) const;
   const ScheduleStats& schedule_stats() const { return stats_; }
   const StageSeconds& stage_seconds() const { return stages_; }
   // The same for the last forward() alone.

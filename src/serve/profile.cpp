@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "model/data.h"
@@ -61,21 +62,25 @@ Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, pla
   if (Status s = runtime::measure_links(world, nodes, /*quick=*/false, &mine); !s)
     return Status::error("lina cost: " + s.message());
   if (Status s = runtime::agree_costs(world, mine, &agreed); !s) return Status::error("lina cost: " + s.message());
-  // An expert's time at 1 row and at a prefill's rows per expert.
-  const int64_t rows = std::max<int64_t>(2, engine.max_rows() * cfg.top_k / cfg.n_experts);
-  const InferenceEngine::ExpertCost expert = engine.measure_expert_cost(rows);
-  double fit[2] = {expert.fixed_seconds, expert.row_seconds};
+  // An expert's time at 1, 2, 4, ... rows up to a prefill's rows per expert (a full batch's rows x K / E).
+  const int64_t most = std::max<int64_t>(2, engine.max_rows() * cfg.top_k / cfg.n_experts);
+  std::vector<int64_t> rows;
+  for (int64_t n = 1; n < most; n *= 2) rows.push_back(n);
+  rows.push_back(most);
+  std::vector<double> seconds = engine.measure_expert_seconds(rows);
   if (world) {
-    if (Status s = world->allreduce(fit, 2); !s) return Status::error("lina cost: " + s.message());
-    fit[0] /= R, fit[1] /= R;
+    if (Status s = world->allreduce(seconds.data(), static_cast<int64_t>(seconds.size())); !s)
+      return Status::error("lina cost: " + s.message());
+    for (double& t : seconds) t /= R;
   }
+  for (size_t j = 1; j < seconds.size(); ++j) seconds[j] = std::max(seconds[j], seconds[j - 1]);
   const double mats = cfg.activation == "swiglu" ? 3 : 2;
   const double expert_bytes = mats * static_cast<double>(cfg.d_model * cfg.d_ffn) * sizeof(float);
   const double bandwidth = agreed.intra_node.bandwidth;
-  if (!(fit[1] > 0) || (R > 1 && !(bandwidth > 0)))
-    return Status::error("lina cost: the measurement gave no time per token or no link bandwidth");
-  out->token_seconds = fit[1];
-  out->fixed_seconds = fit[0];
+  if (!(seconds.front() > 0) || (R > 1 && !(bandwidth > 0)))
+    return Status::error("lina cost: the measurement gave no expert time or no link bandwidth");
+  out->rows.assign(rows.begin(), rows.end());
+  out->seconds = std::move(seconds);
   out->move_seconds = R > 1 ? agreed.intra_node.latency + expert_bytes / bandwidth : 0;
   return Status::ok();
 }
@@ -96,10 +101,18 @@ Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const 
   engine.set_lina_cost(cost);
   engine.set_replica_cache(replica_cache >= 0 ? replica_cache
                                               : static_cast<int>(engine.config().n_experts / world->size()));
-  if (world->rank() == 0)
-    std::fprintf(stderr, "lina cost (measured): an expert run on a rank %.1f us + %.2f us a token, its weights "
-                 "moved %.1f us; replica cache %d per rank and MoE layer\n", cost.fixed_seconds * 1e6,
-                 cost.token_seconds * 1e6, cost.move_seconds * 1e6, engine.replica_cache());
+  if (world->rank() == 0) {
+    std::string curve;
+    char point[64];
+    for (size_t j = 0; j < cost.rows.size(); ++j) {
+      if (j % 2 == 1 && j + 1 < cost.rows.size()) continue;  // every other point, and the last
+      std::snprintf(point, sizeof point, "%s%g rows %.0f us", curve.empty() ? "" : ", ", cost.rows[j],
+                    cost.seconds[j] * 1e6);
+      curve += point;
+    }
+    std::fprintf(stderr, "lina cost (measured): an expert on a rank %s; its weights moved %.1f us; replica cache "
+                 "%d per rank and MoE layer\n", curve.c_str(), cost.move_seconds * 1e6, engine.replica_cache());
+  }
   return Status::ok();
 }
 

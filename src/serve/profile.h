@@ -22,8 +22,9 @@ Status profile_routing(InferenceEngine& engine, comm::Communicator* world, const
                        int64_t windows, plan::PathProfile* out);
 
 // What the lina schedules' priced placement weighs (plan::LinaCost), measured on these ranks: a
-// link's alpha-beta (runtime/measure_costs.h) and an expert's forward time as fixed + per token
-// (InferenceEngine::measure_expert_cost); the ranks agree on the mean, so every rank plans alike.
+// link's alpha-beta (runtime/measure_costs.h) and an expert's forward time at 1, 2, 4, ... rows up to a
+// prefill's rows per expert (InferenceEngine::measure_expert_seconds); the ranks agree on the mean, so
+// every rank plans alike.
 // Collective over world (null: one process, no move).
 Status measure_lina_cost(InferenceEngine& engine, comm::Communicator* world, plan::LinaCost* out);
 
