@@ -143,6 +143,22 @@ TEST(LinaPlan, AFlatCurveRefusesADecodeReplicaThatALineWouldKeep) {
   EXPECT_EQ(moe::plan::lina_placement(pop, owners, &curve, &held).replicas, owners.replicas);
 }
 
+// A batch of one token whose two choices both sit on rank 0 (a lone request decoding): a replica of
+// either expert cannot take half a token, so it saves nothing and is refused, held or not. (Priced at
+// half a token per holder it looked like halving rank 0's time: one replica per layer and forward.)
+TEST(LinaPlan, AReplicaCannotSplitASingleToken) {
+  const LayerPlacement owners = moe::plan::even_placement(4, 2);
+  const std::vector<double> pop{1, 1, 0, 0};
+  const moe::plan::LinaCost curve{{1, 4, 16}, {0.4e-3, 0.45e-3, 0.6e-3}, 0};
+  LayerPlacement held = owners;
+  held.replicas[0] = {0, 1};
+  held.replicas[1] = {0, 1};
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(held, pop, curve), 0.8e-3);
+  EXPECT_EQ(moe::plan::lina_placement(pop, owners, &curve, &held).replicas, owners.replicas);
+  const std::vector<double> estimate{0.4, 0.3, 0, 0};
+  EXPECT_EQ(moe::plan::lina_placement(estimate, owners, &curve, &held).replicas, owners.replicas);
+}
+
 // Rent or buy: the same hot expert (12.5 ms saved a step, as above) against a 30 ms move. Refused on
 // the first and second steps (12.5, then 12.5 + 12.5 = 25 <= 30), bought on the third (37.5 > 30), when
 // the savings refused so far plus this step's pass the move; the sum is then reset. Without the sum

@@ -104,7 +104,10 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
   std::vector<double> rank(p.n_ranks, 0.0);
   for (int e = 0; e < E; ++e) {
     if (!(popularity[e] > 0)) continue;
-    const double share = popularity[e] / static_cast<double>(p.replicas[e].size());
+    // Holders split the tokens, but a holder that runs the expert runs at least one row: one token (or
+    // an estimate's fraction of one) cannot be halved, it lands whole on one holder.
+    const double share = std::max(popularity[e] / static_cast<double>(p.replicas[e].size()),
+                                  std::min(popularity[e], 1.0));
     for (int r : p.replicas[e]) rank[r] += cost.expert_seconds(share);
   }
   return *std::max_element(rank.begin(), rank.end());

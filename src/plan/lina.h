@@ -83,7 +83,8 @@ struct LinaCost {
   // A two-point curve, fixed + token_seconds x tokens at 1 and 2 tokens (tests, hand-made prices).
   static LinaCost affine(double fixed_seconds, double token_seconds, double move_seconds);
 };
-// The busiest rank's time of placement p (LinaCost above; tokens split evenly over an expert's holders).
+// The busiest rank's time of placement p (LinaCost above): an expert's tokens split evenly over its
+// holders, each holder's share at least one token (or all of them, when fewer: a token is not split).
 double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& popularity, const LinaCost& cost);
 
 // The placement for slots: owners keep their experts; experts by descending slots (then popularity,
