@@ -125,8 +125,8 @@ TEST(LinaPlan, ExpertSecondsFollowsTheMeasuredCurve) {
   EXPECT_NEAR(a.expert_seconds(30), 30.5e-3, 1e-15);
 }
 
-// Where the kernel's time is nearly flat over a decode batch's rows (as measured on CPUs: 2 to ~12
-// rows cost about the same), splitting a hot expert's 12 tokens saves its owner 21 us (t(12) - t(6)),
+// Where the kernel's time is nearly flat over a decode batch's rows (as measured on CPUs: the first
+// few rows cost about the same), splitting a hot expert's 12 tokens saves its owner 21 us (t(12) - t(6)),
 // while its new holder pays t(6) = 364 us on a load 50 us above the owner's other work (rank 0: expert
 // 1, 1 token, 200 us; rank 1: experts 2 and 3, 1 and 0.25 tokens, 250 us): the busiest rank gets slower,
 // so even a free (held) replica is refused. A line through the same 1-row and 64-row times prices the

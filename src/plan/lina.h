@@ -67,8 +67,8 @@ std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks);
 // What running and moving experts costs on these ranks, measured at start-up (serve/profile.h): the
 // figures a priced placement weighs. A rank's time for a layer is the sum, over the experts it runs
 // rows of, of expert_seconds(its share of the expert's tokens). expert_seconds is the expert kernel's
-// measured time as a function of its rows, not a line: on a CPU it is nearly flat from 2 to ~12 rows
-// (the weights are read once, whatever the rows) and grows with the rows beyond, so a replica that
+// measured time as a function of its rows, not a line: on a CPU it is nearly flat over the first few
+// rows (the weights are read once, whatever the rows) and grows with the rows beyond, so a replica that
 // splits a decode batch's few tokens saves its owner almost nothing while its new holder pays the
 // whole read, and one that splits a prefill's hundreds saves about half the expert's time.
 struct LinaCost {
