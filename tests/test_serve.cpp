@@ -16,6 +16,7 @@
 #include "comm/mpi_communicator.h"
 #include "model/model.h"
 #include "serve/engine.h"
+#include "serve/profile.h"
 #include "serve/sampler.h"
 #include "serve/server.h"
 #include "util/quantile.h"
@@ -262,6 +263,27 @@ TEST(Engine, ExpertSecondsAreTheKernelsTimeAtEachRowCount) {
               t[2] * 1e6);
   EXPECT_THROW(e.measure_expert_seconds({}), std::logic_error);
   EXPECT_THROW(e.measure_expert_seconds({0}), std::logic_error);
+}
+
+// Lina's start-up runs 64 profiling windows through forward(); serving's figures (/metrics, bench
+// serve's per-forward stage times) must not count them, or every lina schedule reads slower than ep.
+TEST(Engine, ServingCountersStartAfterTheProfile) {
+  const ModelConfig cfg = small_config(false);
+  Model model(cfg, 1);
+  model.init(3);
+  InferenceEngine e(model, 1, cfg.seq_len);
+  std::unique_ptr<moe::plan::PathProfile> profile;
+  const std::string corpus = (fs::path(MOE_TEST_DIR) / ".." / "docs" / "model.md").string();
+  const moe::Status s = moe::serve::start_schedule(e, nullptr, "lina", corpus, -1, &profile);
+  ASSERT_TRUE(s) << s.message();
+  ASSERT_TRUE(profile);
+  EXPECT_GT(profile->tokens(), 0);  // the profile ran its windows through forward()
+  EXPECT_EQ(e.stage_seconds().forwards, 0);
+  EXPECT_EQ(e.stage_seconds().total, 0);
+  const std::vector<Row> rows{{0, 0, 'a', true}};
+  std::vector<float> logits(cfg.vocab_size);
+  e.forward(rows, logits.data());
+  EXPECT_EQ(e.stage_seconds().forwards, 1);
 }
 
 TEST(Engine, RejectsRowsOutOfRange) {

@@ -93,6 +93,7 @@ Status start_schedule(InferenceEngine& engine, comm::Communicator* world, const 
   if (s == Schedule::lina || s == Schedule::lina_no_phase2) {
     *profile = std::make_unique<plan::PathProfile>(engine.moe_blocks(), engine.config().n_experts);
     if (Status st = profile_routing(engine, world, corpus, 64, profile->get()); !st) return st;
+    engine.reset_counters();  // the profile's forwards are not serving's (/metrics, bench serve)
   }
   engine.set_schedule(s, profile->get(), world);
   if (s == Schedule::ep || s == Schedule::ideal || !world || world->size() == 1) return Status::ok();
