@@ -137,9 +137,9 @@ class InferenceEngine {
   // this rank holds no expert. REQUIRES: rows non-empty, each >= 1.
   std::vector<double> measure_expert_seconds(const std::vector<int64_t>& rows) const;
   const ScheduleStats& schedule_stats() const { return stats_; }
-  // Zeroes schedule_stats() and stage_seconds(), so that they count serving's forwards and not
-  // start-up's (serve::profile_routing runs the profiling windows through forward()).
-  void reset_counters() { stats_ = {}, stages_ = {}; }
+  // Zeroes schedule_stats(), stage_seconds() and the expert loads, so that they count serving's
+  // forwards and not start-up's (serve::profile_routing runs the profiling windows through forward()).
+  void reset_counters() { stats_ = {}, stages_ = {}, take_expert_loads(); }
   const StageSeconds& stage_seconds() const { return stages_; }
   // The same for the last forward() alone.
   const StageSeconds& last_stage_seconds() const { return last_stages_; }
