@@ -115,8 +115,9 @@ class InferenceEngine {
   // Schedules other than ep replicate experts over `world`, the MoE layers' group (Model::
   // set_expert_parallel(world, world)), every holder of an expert computing an equal share of its tokens
   // (plan::DispatchRule::even); lina and lina_no_phase2 estimate from `profile` (not owned;
-  // outlives the engine; its layers are the model's MoE blocks). Call once, before the first forward,
-  // on every rank alike. REQUIRES: the model expert-parallel over world (std::logic_error).
+  // outlives the engine; its layers are the model's MoE blocks). Call once, before serving's first
+  // forward (start-up's profiling forwards run before it, under ep: serve::start_schedule), on every
+  // rank alike. REQUIRES: the model expert-parallel over world (std::logic_error).
   void set_schedule(Schedule s, const plan::PathProfile* profile, comm::Communicator* world);
   Schedule schedule() const { return schedule_; }
   // Prices the lina schedules' replicas (plan::lina_placement): a replica only where it saves more
