@@ -10,6 +10,7 @@
 
 #include "moe/experts.h"
 #include "tensor/ops.h"
+#include "util/quantile.h"
 
 namespace moe::serve {
 
@@ -312,10 +313,7 @@ std::vector<double> InferenceEngine::measure_expert_seconds(const std::vector<in
   for (int i = 0; i < 5; ++i)  // the sizes in turn, so a slow spell of the machine falls on all of them
     for (size_t j = 0; j < rows.size(); ++j) times[j].push_back(pass(rows[j]));
   std::vector<double> median(rows.size());
-  for (size_t j = 0; j < rows.size(); ++j) {
-    std::nth_element(times[j].begin(), times[j].begin() + 2, times[j].end());
-    median[j] = times[j][2];
-  }
+  for (size_t j = 0; j < rows.size(); ++j) median[j] = nearest_rank_quantile(times[j], 0.5);
   return median;
 }
 
