@@ -280,10 +280,18 @@ TEST(Engine, ServingCountersStartAfterTheProfile) {
   EXPECT_GT(profile->tokens(), 0);  // the profile ran its windows through forward()
   EXPECT_EQ(e.stage_seconds().forwards, 0);
   EXPECT_EQ(e.stage_seconds().total, 0);
+  auto assignments = [&] {  // every expert load since the last call, summed over the blocks
+    int64_t sum = 0;
+    for (const auto& layer : e.take_expert_loads())
+      for (int64_t n : layer) sum += n;
+    return sum;
+  };
+  EXPECT_EQ(assignments(), 0) << "the profile's routing counted in the expert loads";
   const std::vector<Row> rows{{0, 0, 'a', true}};
   std::vector<float> logits(cfg.vocab_size);
   e.forward(rows, logits.data());
   EXPECT_EQ(e.stage_seconds().forwards, 1);
+  EXPECT_EQ(assignments(), e.moe_blocks() * cfg.top_k);  // the one row's top-k at each MoE block
 }
 
 TEST(Engine, RejectsRowsOutOfRange) {
