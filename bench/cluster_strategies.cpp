@@ -2,7 +2,9 @@
 //
 // Every training strategy across emulated hosts (scripts/cluster.sh: NICs capped by tc; root), where
 // the project's promise lives: the router sends tokens unevenly across nodes. Per configuration
-// (2 hosts x 1 rank and 2 hosts x 2 ranks; NIC 1 Gbit/s and 10 Gbit/s; router skew 0 and 1.5) the
+// (2 hosts x 1 rank and 2 hosts x 2 ranks; NIC 1 Gbit/s and 10 Gbit/s; router skew 0, 1.5, and 1.5 whose
+// popularity order turns by an expert every 4 steps, --router-skew-drift 0.25: a load that moves between
+// steps as a trained gate's does, Hecate's paper's Fig. 3, the rate bench sim-strategies' load has) the
 // strategies run `moe train` (default model and corpus, --threads 1, the cost model each run measures
 // at start-up) in --repeats rounds (default 2) that interleave them, so the machine's drifts weigh on
 // all alike. Columns, medians over the rounds of each run's median over its steps after the warm-up:
@@ -133,19 +135,25 @@ int cluster_strategies(const BenchOptions& opt) {
     const char* nic;
     double nic_bits;
     double skew;
-    std::string name() const { return str_cat("2x", ranks_per_host, "-", nic, "-skew", skew); }
+    double drift;  // --router-skew-drift: experts per step
+    std::string name() const {
+      return str_cat("2x", ranks_per_host, "-", nic, "-skew", skew, drift > 0 ? str_cat("-drift", drift) : "");
+    }
+    std::string workload() const {
+      return str_cat("router skew ", skew, drift > 0 ? str_cat(" drifting ", drift, " experts a step") : "");
+    }
   };
   std::vector<Config> configs;
   for (int rph : {1, 2})
     for (auto [nic, bits] : {std::pair{"1gbit", 1e9}, std::pair{"10gbit", 1e10}})
-      for (double skew : {1.5, 0.0}) {
-        const Config cf{rph, nic, bits, skew};
+      for (auto [skew, drift] : {std::pair{1.5, 0.0}, std::pair{1.5, 0.25}, std::pair{0.0, 0.0}}) {
+        const Config cf{rph, nic, bits, skew, drift};
         if (cf.name().find(opt.only) != std::string::npos) configs.push_back(cf);
       }
   if (configs.empty()) {
     std::fprintf(stderr,
                  "moe bench cluster-strategies: no configuration's name contains '%s' (names: 2x1-1gbit-skew1.5, "
-                 "2x1-1gbit-skew0, ..., 2x2-10gbit-skew0)\n",
+                 "2x1-1gbit-skew1.5-drift0.25, 2x1-1gbit-skew0, ..., 2x2-10gbit-skew0)\n",
                  opt.only.c_str());
     return 2;
   }
@@ -185,7 +193,9 @@ int cluster_strategies(const BenchOptions& opt) {
       }
       for (size_t s = 0; s < strategies.size(); ++s) {
         const std::string file = (dir / str_cat("c", c, "_s", s, "_r", r, ".jsonl")).string();
-        Run run = train(launch, str_cat("--router-skew ", cf.skew, " --strategy ", strategies[s]), file, "");
+        Run run = train(launch,
+                        str_cat("--router-skew ", cf.skew, " --router-skew-drift ", cf.drift, " --strategy ", strategies[s]),
+                        file, "");
         failed += run.ok ? 0 : 1;
         runs[c][s].push_back(std::move(run));
       }
@@ -214,7 +224,7 @@ int cluster_strategies(const BenchOptions& opt) {
       const size_t fastest = std::min_element(cal_step[c].begin(), cal_step[c].end()) - cal_step[c].begin();
       fast_status = calibrated({cal_runs[c][fastest]}, "fastest calibration run", &fast_spec);
     }
-    report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", router skew ", cf.skew),
+    report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", ", cf.workload()),
                  {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},
                   {"step / ep rounds min", "x"}, {"step / ep rounds max", "x"}, {"rounds faster than ep", "", 0},
                   {"exposed comm", "ms", 1}, {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0},
@@ -269,7 +279,7 @@ int cluster_strategies(const BenchOptions& opt) {
         if (runs[c][s].back().ok) files.push_back(runs[c][s].back().metrics), labels.push_back(strategies[s]);
       write_html_report((html.parent_path() / str_cat(html.stem().string(), "-", name, html.extension().string())).string(),
                         str_cat("moe bench cluster-strategies: 2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic,
-                                ", router skew ", cf.skew, ", round ", rounds, " of ", rounds),
+                                ", ", cf.workload(), ", round ", rounds, " of ", rounds),
                         files, labels);
     }
   size_t cal_done = 0;

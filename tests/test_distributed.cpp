@@ -192,11 +192,11 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
 }
 
 TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
-  // top-2 GShard gate, dropless, and top-1 Switch with SwiGLU, a skewed router and a capacity that
-  // drops tokens (capacity is defined on the global batch, so dropping must not depend on the rank
-  // count).
-  for (std::string variant :
-       {"--top-k 2", "--top-k 1 --activation swiglu --capacity-factor 0.75 --norm rmsnorm --router-skew 1.0"}) {
+  // top-2 GShard gate, dropless, and top-1 Switch with SwiGLU, a skewed router whose order drifts by an
+  // expert every 2 steps and a capacity that drops tokens (capacity is defined on the global batch, so
+  // dropping must not depend on the rank count).
+  for (std::string variant : {"--top-k 2", "--top-k 1 --activation swiglu --capacity-factor 0.75 --norm rmsnorm "
+                                           "--router-skew 1.0 --router-skew-drift 0.5"}) {
     SCOPED_TRACE(variant);
     std::string args = model_flags() + variant + " --steps 6 --warmup-steps 2 ";
     TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string());

@@ -68,6 +68,7 @@ TEST(ModelConfig, ValidateNamesFieldAndValue) {
   check([](ModelConfig& c) { c.capacity_factor = -1; }, "capacity_factor (-1)");
   check([](ModelConfig& c) { c.capacity_factor = NAN; }, "capacity_factor (nan)");
   check([](ModelConfig& c) { c.aux_loss_weight = -0.5; }, "aux_loss_weight (-0.5)");
+  check([](ModelConfig& c) { c.router_skew_drift = -0.25; }, "router_skew_drift (-0.25)");
   check([](ModelConfig& c) { c.z_loss_weight = INFINITY; }, "z_loss_weight (inf)");
   check([](ModelConfig& c) { c.d_ffn = int64_t(1) << 40; }, "d_ffn (1099511627776)");
 }
@@ -80,8 +81,9 @@ TEST(ModelConfig, JsonRoundTrip) {
   c.dense_every_other = true;
   c.capacity_factor = 1.25;
   c.router_skew = 0.5;
+  c.router_skew_drift = 0.25;
   json j = c.to_json();
-  EXPECT_EQ(j.size(), 16u);
+  EXPECT_EQ(j.size(), 17u);
   EXPECT_EQ(j["activation"], "swiglu");
   ModelConfig d;
   Status s = ModelConfig::from_json(j, &d);
@@ -124,6 +126,7 @@ TEST(ModelConfig, JsonErrors) {
 // ---- Model ----------------------------------------------------------------------------------------
 
 using moe::Model;
+using moe::LayerLoad;
 using moe::Param;
 
 namespace {
@@ -540,6 +543,36 @@ TEST(Model, LoadStatistics) {
     aux += s.aux_loss;
   }
   EXPECT_NEAR(aux, m.aux_loss(), 1e-6);
+}
+
+// A drifting router skew turns each block's popularity order by floor(R * step) experts: with a skew so
+// strong that the bias outweighs the logits, every token's top-1 is the hot expert (l + floor(R s)) mod E.
+TEST(Model, DriftingRouterSkewMovesTheHotExpertWithTheStep) {
+  ModelConfig c = tiny("gelu", "layernorm", true);
+  c.n_layers = 3;  // MoE blocks 0 and 2
+  c.top_k = 1;
+  c.router_skew = 40;
+  c.router_skew_drift = 0.5;
+  const int64_t B = 2, N = B * c.seq_len, E = c.n_experts;
+  Model m(c, B);
+  m.init(1);
+  auto tok = random_tokens(N, 10);
+  for (int64_t step : {0, 1, 2, 3, 7, 6, 0}) {
+    m.set_router_step(step);
+    m.forward(tok.data(), nullptr, B);
+    for (const LayerLoad& s : m.load_stats()) {
+      const int64_t hot = (s.layer + step / 2) % E;
+      EXPECT_EQ(s.tokens_per_expert[hot], N) << "step " << step << ", block " << s.layer;
+      EXPECT_EQ(c.router_bias(s.layer, step)[hot], 0.0f);
+    }
+  }
+  // Without drift the order stays at step 0's whatever the step.
+  c.router_skew_drift = 0;
+  Model fixed(c, B);
+  fixed.init(1);
+  fixed.set_router_step(7);
+  fixed.forward(tok.data(), nullptr, B);
+  for (const LayerLoad& s : fixed.load_stats()) EXPECT_EQ(s.tokens_per_expert[s.layer % E], N);
 }
 
 TEST(Model, SgdStepsReduceLoss) {

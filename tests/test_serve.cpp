@@ -16,6 +16,7 @@
 #include "comm/mpi_communicator.h"
 #include "model/model.h"
 #include "serve/engine.h"
+#include "serve/job.h"
 #include "serve/profile.h"
 #include "serve/sampler.h"
 #include "serve/server.h"
@@ -474,6 +475,26 @@ TEST_F(InferenceCli, TheSameTokensOnOneTwoAndFourRanks) {
   // Another seed draws another continuation.
   EXPECT_NE(generated("--prompt 'The ' --max-tokens 40 --temperature 1 --seed 1"),
             generated("--prompt 'The ' --max-tokens 40 --temperature 1 --seed 2"));
+}
+
+// A checkpoint trained with a drifting router skew serves with the bias its last training step used
+// (the model as trained), not step 0's.
+TEST_F(InferenceCli, ADriftingSkewServesWithItsLastStepsBias) {
+  const fs::path ck = dir_ / "drift";
+  const moe::ShellResult r = run("train --data " + (dir_ / "corpus.txt").string() +
+                                 " --seq-len 16 --d-model 16 --layers 2 --heads 2 --d-ffn 16 --experts 4 --top-k 1"
+                                 " --batch-size 4 --steps 5 --eval-batches 1 --threads 1 --router-skew 2"
+                                 " --router-skew-drift 0.5 --checkpoint-dir " + ck.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::unique_ptr<Model> model;
+  const moe::Status s = moe::serve::load_inference_model(ck.string(), 0, &model, nullptr);
+  ASSERT_TRUE(s) << s.message();
+  const ModelConfig& cfg = model->config();
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    // Steps 0-4 ran; step 4 turned the order by floor(0.5 * 4) = 2 experts, which step 0's bias has not.
+    EXPECT_EQ(model->moe_layer(l)->config().router_bias, cfg.router_bias(l, 4)) << "block " << l;
+    EXPECT_NE(model->moe_layer(l)->config().router_bias, cfg.router_bias(l, 0)) << "block " << l;
+  }
 }
 
 TEST_F(InferenceCli, BadInputGetsOneClearError) {

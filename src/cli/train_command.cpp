@@ -146,6 +146,8 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_model_flag(c, f, "--aux-loss-weight", &ModelConfig::aux_loss_weight, "load-balancing loss weight");
   bind_model_flag(c, f, "--router-skew", &ModelConfig::router_skew,
                   "fixed Zipf-shaped router bias s (0: none): reproducible expert imbalance");
+  bind_model_flag(c, f, "--router-skew-drift", &ModelConfig::router_skew_drift,
+                  "experts per step the skew's popularity order turns (0: fixed): a load that moves between steps");
   bind_model_flag(c, f, "--z-loss-weight", &ModelConfig::z_loss_weight, "router z-loss weight");
   CLI::Option* dense = c->add_flag("--dense-every-other", f->cfg.model.dense_every_other,
                                    "odd blocks use a dense FFN instead of MoE");
@@ -175,6 +177,10 @@ int run_train(const CLI::App& cmd, TrainFlags& f) {
   }
   if (cfg.device == "cuda" && f.ranks > 1) {
     std::fprintf(stderr, "moe train: --device cuda trains on one GPU with one rank, not --ranks %d\n", f.ranks);
+    return 2;
+  }
+  if (cfg.device == "cuda" && cfg.model.router_bias_drifts()) {
+    std::fprintf(stderr, "moe train: --router-skew-drift runs on the CPU path only, not --device cuda\n");
     return 2;
   }
   if (int code = run_under_mpirun(f.argv, f.ranks, "moe train"); code >= 0) return code;

@@ -62,6 +62,7 @@ const Field kFields[] = {
     {"aux_loss_weight", &ModelConfig::aux_loss_weight},
     {"z_loss_weight", &ModelConfig::z_loss_weight},
     {"router_skew", &ModelConfig::router_skew},
+    {"router_skew_drift", &ModelConfig::router_skew_drift},
 };
 
 const char* type_name(const nlohmann::json& v) { return v.type_name(); }
@@ -103,10 +104,24 @@ Status ModelConfig::validate() const {
   if (!(s = nonneg_finite("aux_loss_weight", aux_loss_weight))) return s;
   if (!(s = nonneg_finite("z_loss_weight", z_loss_weight))) return s;
   if (!(s = nonneg_finite("router_skew", router_skew))) return s;
+  if (!(s = nonneg_finite("router_skew_drift", router_skew_drift))) return s;
   return Status::ok();
 }
 
-MoeConfig ModelConfig::moe_config(int64_t l) const {
+std::vector<float> ModelConfig::router_bias(int64_t l, int64_t step) const {
+  std::vector<float> bias;
+  if (router_skew <= 0) return bias;
+  // The hot expert of block l at step s is (l + turn) mod E; floor as the simulator's zipf-drift does.
+  const auto turn = static_cast<int64_t>(std::floor(router_skew_drift * static_cast<double>(step)));
+  bias.resize(n_experts);
+  for (int64_t e = 0; e < n_experts; ++e) {
+    const int64_t rank = (((e - l - turn) % n_experts) + n_experts) % n_experts;
+    bias[e] = static_cast<float>(-router_skew * std::log1p(static_cast<double>(rank)));
+  }
+  return bias;
+}
+
+MoeConfig ModelConfig::moe_config(int64_t l, int64_t step) const {
   MoeConfig m;
   m.d_model = d_model;
   m.d_ffn = d_ffn;
@@ -117,13 +132,7 @@ MoeConfig ModelConfig::moe_config(int64_t l) const {
   m.capacity_factor = static_cast<float>(capacity_factor);
   m.aux_loss_weight = static_cast<float>(aux_loss_weight);
   m.z_loss_weight = static_cast<float>(z_loss_weight);
-  if (router_skew > 0) {
-    m.router_bias.resize(n_experts);
-    for (int64_t e = 0; e < n_experts; ++e) {
-      const int64_t rank = ((e - l) % n_experts + n_experts) % n_experts;
-      m.router_bias[e] = static_cast<float>(-router_skew * std::log1p(static_cast<double>(rank)));
-    }
-  }
+  m.router_bias = router_bias(l, step);
   return m;
 }
 

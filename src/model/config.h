@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -34,6 +35,11 @@ struct ModelConfig {
   // the expert's place in block l's popularity order (expert (l + j) mod E has rank j), so expert
   // (l mod E) draws the most tokens. 0 = none. Reproducible imbalance, the same for every strategy.
   double router_skew = 0.0;
+  // Router skew drift R >= 0 (experts per step): the popularity order turns as training goes, the hot
+  // expert of block l at step s being (l + floor(R * s)) mod E (the simulator's zipf-drift load), so the
+  // load moves between steps as a trained gate's does (Hecate's paper, Fig. 3). 0 = a fixed order.
+  // Matters only with router_skew > 0.
+  double router_skew_drift = 0.0;
 
   // Checks every field and the combinations (d_model % n_heads, top_k <= n_experts, ...). The
   // message names the field and its value, e.g. "config: top_k (3) > n_experts (2)".
@@ -42,8 +48,13 @@ struct ModelConfig {
   // Whether block l uses the MoE layer (else the dense FFN).
   bool is_moe_layer(int64_t l) const { return !(dense_every_other && (l % 2 == 1)); }
   int64_t head_size() const { return d_model / n_heads; }
-  // The MoE layer configuration of MoE block l (the router bias depends on l). REQUIRES: validate() ok.
-  MoeConfig moe_config(int64_t l = 0) const;
+  // The MoE layer configuration of MoE block l at training step `step` (0-based; the router bias depends
+  // on l, and on step where router_skew_drift > 0). REQUIRES: validate() ok.
+  MoeConfig moe_config(int64_t l = 0, int64_t step = 0) const;
+  // Block l's router bias at step `step`: [E], or empty without router_skew. REQUIRES: validate() ok.
+  std::vector<float> router_bias(int64_t l, int64_t step = 0) const;
+  // Whether the router bias changes with the step (router_skew > 0 and router_skew_drift > 0).
+  bool router_bias_drifts() const { return router_skew > 0 && router_skew_drift > 0; }
   Activation activation_kind() const { return activation == "swiglu" ? Activation::swiglu : Activation::gelu; }
   bool use_rmsnorm() const { return norm == "rmsnorm"; }
 

@@ -187,6 +187,12 @@ MoeLayer* Model::moe_layer(int64_t l) const {
   return blocks_[l]->moe.get();
 }
 
+void Model::set_router_step(int64_t step) {
+  if (!cfg_.router_bias_drifts()) return;
+  for (int64_t l = 0; l < n_blocks(); ++l)
+    if (MoeLayer* m = moe_layer(l)) m->set_router_bias(cfg_.router_bias(l, step));
+}
+
 void Model::init(uint64_t seed) {
   for (Param* p : params_) {
     const InitRule r = init_rule(p->name, cfg_.n_layers);

@@ -62,6 +62,10 @@ class Model {
   int64_t num_params() const;
   // The MoE layer of block l, or null for a dense block.
   MoeLayer* moe_layer(int64_t l) const;
+  // Sets every MoE block's router bias to the config's at training step `step` (ModelConfig::router_bias):
+  // a no-op unless the skew drifts. The trainer calls it before each step, the server once with the
+  // checkpoint's last step.
+  void set_router_step(int64_t step);
 
   // Sets every parameter from (seed, name) as documented above. Gradients are left untouched.
   void init(uint64_t seed);

@@ -286,6 +286,13 @@ void MoeLayer::ep_dispatch(TokenExchange* ex) {
   if (!ex->send_in_place) to_send_order(*ex, xs_.data(), xp_.data());
 }
 
+void MoeLayer::set_router_bias(std::vector<float> bias) {
+  if (!bias.empty() && static_cast<int64_t>(bias.size()) != cfg_.n_experts)
+    throw std::invalid_argument("MoeLayer::set_router_bias: " + std::to_string(bias.size()) + " values, E is " +
+                                std::to_string(cfg_.n_experts));
+  cfg_.router_bias = std::move(bias);
+}
+
 void MoeLayer::set_padded_exchange(bool on) {
   if (on && (!ep_ || gather_))
     throw std::logic_error("MoeLayer::set_padded_exchange: REQUIRES expert parallel without placements");

@@ -174,6 +174,10 @@ class MoeLayer {
   // weight 1 / K (shift: this rank's place in the batch group times N, so the ranks interleave). The
   // layer then computes another function: its output is meaningless, its load is even.
   void set_balanced_gate(bool on) { balanced_gate_ = on; }
+  // Replaces the router bias (MoeConfig::router_bias) from the next forward on: a drifting router skew
+  // (ModelConfig::router_skew_drift) turns it between steps (the backward does not read it).
+  // REQUIRES: bias empty or [E] (std::invalid_argument otherwise).
+  void set_router_bias(std::vector<float> bias);
   // Rows this rank's experts processed in the last forward (all rows when not expert-parallel).
   int64_t expert_rows() const { return expert_rows_; }
 

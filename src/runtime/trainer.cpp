@@ -478,6 +478,7 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   const auto t0 = Clock::now();
   ds_.batch_rows(step, B_, ranks_.rank * Bl_, Bl_, tokens_.data(), targets_.data());
   model_->zero_grad();
+  model_->set_router_step(step);
   model_->begin_step(tokens_.data(), targets_.data(), Bl_);
   strategy_.before_step();
   overlap_used_ = strategy_.overlap_degree();

@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "model/checkpoint.h"
@@ -25,6 +26,12 @@ Status load_inference_model(const std::string& dir, int64_t extra_rows, std::uni
   const int64_t rows = cfg.seq_len + extra_rows;
   auto m = std::make_unique<Model>(cfg, (rows + cfg.seq_len - 1) / cfg.seq_len);
   if (Status s = load_checkpoint(dir, m->params(), nullptr, nullptr); !s) return s;
+  // A drifting router skew serves as the last training step ran it (state "step": the steps done).
+  if (cfg.router_bias_drifts()) {
+    if (!state.contains("step") || !state["step"].is_number_integer() || state["step"].get<int64_t>() < 0)
+      return Status::error("checkpoint " + dir + ": state.json has no step (needed: the router skew drifts)");
+    m->set_router_step(std::max<int64_t>(0, state["step"].get<int64_t>() - 1));
+  }
   *model = std::move(m);
   if (state_out) *state_out = std::move(state);
   if (max_rows) *max_rows = rows;
