@@ -195,9 +195,8 @@ int cluster_strategies(const BenchOptions& opt) {
       }
       for (size_t s = 0; s < strategies.size(); ++s) {
         const std::string file = (dir / str_cat("c", c, "_s", s, "_r", r, ".jsonl")).string();
-        Run run = train(launch,
-                        str_cat("--router-skew ", cf.skew, " --router-skew-drift ", cf.drift, " --strategy ", strategies[s]),
-                        file, "");
+        const std::string workload = str_cat("--router-skew ", cf.skew, " --router-skew-drift ", cf.drift);
+        Run run = train(launch, str_cat(workload, " --strategy ", strategies[s]), file, "");
         failed += run.ok ? 0 : 1;
         runs[c][s].push_back(std::move(run));
       }
@@ -229,7 +228,8 @@ int cluster_strategies(const BenchOptions& opt) {
     report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", ", cf.workload()),
                  {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},
                   {"step / ep rounds min", "x"}, {"step / ep rounds max", "x"}, {"rounds faster than ep", "", 0},
-                  {"rounds fastest of all", "", 0}, {"exposed comm", "ms", 1}, {"sparse", "MB"}, {"ranks max / mean", "x"}, {"t", "", 0},
+                  {"rounds fastest of all", "", 0}, {"exposed comm", "ms", 1}, {"sparse", "MB"},
+                  {"ranks max / mean", "x"}, {"t", "", 0},
                   {"sim step graph", "ms", 0}, {"sim / measured step graph - 1", "%", 0},
                   {"fastest round: sim / measured - 1", "%", 0}});
     const double nan = std::nan("");
