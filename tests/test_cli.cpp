@@ -126,7 +126,9 @@ TEST_F(CliTest, ResumeIsExact) {
   // (each process otherwise picks by timing, and oneDNN and OpenBLAS round differently). The
   // resumed run itself takes the kernel from the checkpoint.
   ::setenv("MOE_GEMM", "onednn", 1);
-  std::string common = tiny() + "--steps 8 --warmup-steps 2 ";
+  // A router skew whose order turns at step 4, where the run resumes: the resumed steps route by the
+  // global step, as the uninterrupted run does.
+  std::string common = tiny() + "--steps 8 --warmup-steps 2 --router-skew 1 --router-skew-drift 0.25 ";
   Result full = run_moe("train " + common + "--checkpoint-dir " + (dir_ / "full").string());
   ASSERT_EQ(full.exit_code, 0) << full.output;
   // Stop at step 4 of the same 8-step schedule (as a preempted job would), then resume to 8.
