@@ -121,7 +121,7 @@ std::vector<float> ModelConfig::router_bias(int64_t l, int64_t step) const {
   return bias;
 }
 
-MoeConfig ModelConfig::moe_config(int64_t l, int64_t step) const {
+MoeConfig ModelConfig::moe_config(int64_t l) const {
   MoeConfig m;
   m.d_model = d_model;
   m.d_ffn = d_ffn;
@@ -132,7 +132,7 @@ MoeConfig ModelConfig::moe_config(int64_t l, int64_t step) const {
   m.capacity_factor = static_cast<float>(capacity_factor);
   m.aux_loss_weight = static_cast<float>(aux_loss_weight);
   m.z_loss_weight = static_cast<float>(z_loss_weight);
-  m.router_bias = router_bias(l, step);
+  m.router_bias = router_bias(l);
   return m;
 }
 

@@ -48,10 +48,11 @@ struct ModelConfig {
   // Whether block l uses the MoE layer (else the dense FFN).
   bool is_moe_layer(int64_t l) const { return !(dense_every_other && (l % 2 == 1)); }
   int64_t head_size() const { return d_model / n_heads; }
-  // The MoE layer configuration of MoE block l at training step `step` (0-based; the router bias depends
-  // on l, and on step where router_skew_drift > 0). REQUIRES: validate() ok.
-  MoeConfig moe_config(int64_t l = 0, int64_t step = 0) const;
-  // Block l's router bias at step `step`: [E], or empty without router_skew. REQUIRES: validate() ok.
+  // The MoE layer configuration of MoE block l at step 0 (the router bias depends on l; a drifting one
+  // is turned per step by Model::set_router_step). REQUIRES: validate() ok.
+  MoeConfig moe_config(int64_t l = 0) const;
+  // Block l's router bias at training step `step` (0-based): [E], or empty without router_skew.
+  // REQUIRES: validate() ok.
   std::vector<float> router_bias(int64_t l, int64_t step = 0) const;
   // Whether the router bias changes with the step (router_skew > 0 and router_skew_drift > 0).
   bool router_bias_drifts() const { return router_skew > 0 && router_skew_drift > 0; }
