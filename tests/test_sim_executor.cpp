@@ -199,6 +199,46 @@ TEST(SimExecutor, CpuLanesMoveDataOnTheCoresComputeLeaves) {
   EXPECT_NEAR(end_s(two, 0, 1), 1.5, kNs);
 }
 
+// Between hosts the lanes' transfers are CPU work that shares the cores with compute, thread for
+// thread (the kernel's TCP path runs beside the compute; executor.h): an exchange of 1 GB each way
+// through 1 GB/s device links (1 s alone; the NICs far faster) beside 0.5 s of compute on rank 0.
+TEST(SimExecutor, CpuLanesMovingDataBetweenHostsShareTheCoresWithCompute) {
+  ClusterSpec spec = two_nodes_one_nic(1e12);
+  spec.node.device_pcie = {1e9, 0};
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) {
+    g[r].add_stream("a2a", true);
+    compute(g[r], r == 0 ? 0.5e14 : 0);  // 0.5 s on rank 0
+    std::vector<int64_t> peer(2, 1000000000);
+    peer[r] = 0;
+    comm(g[r], 1, Collective::alltoallv, Group::world, 0, {}, 1000000000, peer);
+  }
+  {
+    const StepResult res = run(Cluster(spec), g);  // accelerators: the exchange beside the compute
+    EXPECT_NEAR(end_s(res, 0, 0), 0.5, kNs);
+    EXPECT_NEAR(end_s(res, 0, 1), 1.0, kNs);
+  }
+  spec.cpu_cores = 1;
+  const StepResult one = run(Cluster(spec), g);
+  // One compute thread and two lanes on one core, 1/3 each: the compute ends at 1.5 s, when 0.5 GB
+  // has moved; then the two lanes at 1/2: 0.5 GB at 0.5 GB/s.
+  EXPECT_NEAR(end_s(one, 0, 0), 1.5, kNs);
+  EXPECT_NEAR(end_s(one, 0, 1), 2.5, kNs);
+  EXPECT_NEAR(end_s(one, 1, 1), 2.5, kNs);
+  // On two cores 2/3 each: compute ends at 0.75 s with 0.5 GB moved, the rest at full speed.
+  spec.cpu_cores = 2;
+  const StepResult two = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(two, 0, 0), 0.75, kNs);
+  EXPECT_NEAR(end_s(two, 0, 1), 1.25, kNs);
+  // A NIC keeps its bandwidth: through 1 GB/s NICs (fast device links) the exchange still ends at
+  // 1 s on one core; the compute, at 1/3 until then (1/3 s of work done), then alone: 1 + (0.5 - 1/3).
+  ClusterSpec nic = two_nodes_one_nic(1e9);
+  nic.cpu_cores = 1;
+  const StepResult capped = run(Cluster(nic), g);
+  EXPECT_NEAR(end_s(capped, 0, 1), 1.0, kNs);
+  EXPECT_NEAR(end_s(capped, 0, 0), 1.0 + (0.5 - 1.0 / 3), kNs);
+}
+
 // Rank graphs for the priority test: an allreduce cut into two micro-ops on lane 2, ready at 0; an
 // all-to-all on lane 1 that becomes ready when a compute op ends while the first micro-op runs.
 std::vector<StepGraph> priority_graphs(int a2a_priority, double S) {

@@ -199,8 +199,9 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   };
   std::priority_queue<ComputeEnd, std::vector<ComputeEnd>, std::greater<ComputeEnd>> compute_ends;
   // Processor sharing of a CPU cluster's cores (executor.h): the compute ops running, each with its
-  // work left (seconds alone), progressing at `share` since `share_since`. When the share changes,
-  // every running op's end is pushed again under a new version; the old entries are skipped.
+  // work left (seconds alone), and the lanes moving data between hosts, all progressing at `share`
+  // since `share_since`. When the share changes, every running op's end is pushed again under a new
+  // version; the old entries are skipped.
   const int cpu_cores = cluster_.spec().cpu_cores;
   struct Sharing {
     int rank, op;
@@ -208,38 +209,41 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   };
   std::vector<Sharing> sharing;
   std::vector<uint32_t> version(cpu_cores > 0 ? state.size() : 0, 0);
+  // Per rank: running communication ops (reached), and those of them moving data between hosts.
+  std::vector<int> polling(cpu_cores > 0 ? R : 0, 0), across(cpu_cores > 0 ? R : 0, 0);
+  std::vector<char> op_across(cpu_cores > 0 ? state.size() : 0, 0);  // by (rank, op): counted in `across`
+  int lanes_across = 0;
   double share = 1, share_since = t0;
   auto share_of = [&](size_t running) {
-    const double demand = static_cast<double>(running) * cluster_.spec().cpu_threads_per_device;
+    const double demand = static_cast<double>(running) * cluster_.spec().cpu_threads_per_device + lanes_across;
     return demand > cpu_cores ? cpu_cores / demand : 1.0;
   };
   auto progress_sharing = [&](double now) {  // every running op's work done since share_since
     for (Sharing& x : sharing) x.work = std::max(0.0, x.work - (now - share_since) * share);
     share_since = now;
   };
-  // The lanes of a CPU cluster: a rank whose communication op runs polls it on a core, and its
-  // transfers move only while it gets one. The cores the compute ops leave, max(0, cores - demand), go
-  // to the k polling ranks, at most one each: lane share = min(1, free / k). Each rank's device links
-  // (its copies in and out) run at that share of their bandwidth.
-  std::vector<int> polling(cpu_cores > 0 ? R : 0, 0);  // running communication ops per rank
-  int polling_ranks = 0;
-  double lane_share = 1;
-  std::vector<std::pair<int, double>> lane_links;  // (link, full bandwidth): every rank's device links
-  if (cpu_cores > 0 && R > 1) {
-    for (int r = 0; r < R; ++r) {
-      const int d = cfg_.device_of_rank[r], other = cfg_.device_of_rank[r == 0 ? 1 : 0];
-      for (int l : {cluster_.route(d, other).front(), cluster_.route(other, d).back()})
-        lane_links.push_back({l, cluster_.links()[l].bandwidth});
-    }
+  // The links' shares (executor.h): a rank's device links (its copies in and out) at its lanes'
+  // share, `share` while one moves data between hosts; the NICs and switches keep their bandwidth.
+  std::vector<std::vector<int>> rank_links(cpu_cores > 0 && R > 1 ? R : 0);
+  for (int r = 0; r < static_cast<int>(rank_links.size()); ++r) {
+    const int d = cfg_.device_of_rank[r], other = cfg_.device_of_rank[r == 0 ? 1 : 0];
+    for (int l : {cluster_.route(d, other).front(), cluster_.route(other, d).back()}) rank_links[r].push_back(l);
   }
-  auto update_lanes = [&]() {
-    if (lane_links.empty()) return;
-    const double demand = static_cast<double>(sharing.size()) * cluster_.spec().cpu_threads_per_device;
-    const double free = std::max(0.0, cpu_cores - demand);
-    const double s = polling_ranks > 0 ? std::min(1.0, free / polling_ranks) : 1.0;
-    if (s == lane_share) return;
-    lane_share = s;
-    for (const auto& [l, full] : lane_links) colls_.set_link_bandwidth(l, full * s);
+  std::vector<double> link_share(rank_links.empty() ? 0 : cluster_.n_links(), 1.0);
+  auto set_link_share = [&](int l, double s) {
+    if (link_share[l] == s) return;
+    link_share[l] = s;
+    colls_.set_link_bandwidth(l, cluster_.links()[l].bandwidth * s);
+  };
+  auto update_links = [&]() {
+    if (rank_links.empty()) return;
+    // Lanes within a host get the cores the threads above leave, at most one each.
+    const double demand = static_cast<double>(sharing.size()) * cluster_.spec().cpu_threads_per_device + lanes_across;
+    int within = 0;
+    for (int r = 0; r < R; ++r) within += polling[r] > 0 && across[r] == 0;
+    const double within_share = within > 0 ? std::min(1.0, std::max(0.0, cpu_cores - demand) / within) : 1.0;
+    for (int r = 0; r < R; ++r)
+      for (int l : rank_links[r]) set_link_share(l, across[r] > 0 ? share : within_share);
   };
   auto requeue_sharing = [&](double now, bool all) {  // after `sharing` changed; `all`: else only the last
     const double s = share_of(sharing.size());
@@ -271,7 +275,10 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     return graph::may_start(g0, op, state_of, head_of);
   };
   auto end_op = [&](int r, int op, double t) {
-    if (!polling.empty() && g0.ops[op].stream != 0 && --polling[r] == 0) --polling_ranks;
+    if (cpu_cores > 0 && g0.ops[op].stream != 0) {
+      --polling[r];
+      if (op_across[at(r, op)]) --across[r], --lanes_across;
+    }
     state[at(r, op)] = graph::OpState::ended;
     t_end[at(r, op)] = t;
     ++head[static_cast<size_t>(r) * n_streams + g0.ops[op].stream];
@@ -358,6 +365,12 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       }
       if (nodes < 2) spec.hierarchical = false;
     }
+    if (cpu_cores > 0) {  // across hosts, every member's lane now moves data until its part ends
+      bool hosts = false;
+      for (int r : mem) hosts = hosts || cluster_.node_of(cfg_.device_of_rank[r]) != cluster_.node_of(spec.devices[0]);
+      if (hosts)
+        for (int r : mem) op_across[at(r, op)] = 1, ++across[r], ++lanes_across;
+    }
     const int id = colls_.start(spec);
     if (id >= static_cast<int>(coll_inst.size())) coll_inst.resize(id + 1, {-1, -1});
     coll_inst[id] = {op, gi};
@@ -379,7 +392,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       }
       return;
     }
-    if (!polling.empty() && polling[r]++ == 0) ++polling_ranks;
+    if (cpu_cores > 0) ++polling[r];
     const int gi = group_index(o.group, r);
     const size_t k = inst_base[op] + gi;
     ++arrived[k];
@@ -403,7 +416,13 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     }
     if (!dirty_list.empty()) continue;  // members without transfers ended at once
     if (n_ended == n_total) break;
-    update_lanes();
+    if (cpu_cores > 0) {  // lanes started or stopped: new shares for compute and links
+      if (share_of(sharing.size()) != share) {
+        progress_sharing(colls_.now());
+        requeue_sharing(colls_.now(), /*all=*/true);
+      }
+      update_links();
+    }
     const double t = std::min(compute_ends.empty() ? kInf : compute_ends.top().t, colls_.next_event_time());
     if (t == kInf) {
       for (int r = 0; r < R; ++r)
@@ -433,7 +452,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     take_member_ends();
   }
 
-  for (const auto& [l, full] : lane_links) colls_.set_link_bandwidth(l, full);  // idle lanes between steps
+  for (int l = 0; l < static_cast<int>(link_share.size()); ++l) set_link_share(l, 1.0);  // idle lanes between steps
 
   // Results.
   StepResult& res = *out;
