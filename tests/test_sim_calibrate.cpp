@@ -126,6 +126,16 @@ TEST(SimCalibrate, TwoNodesJoinedAtTheNicsCap) {
   EXPECT_NEAR(c2.path_latency(c2.route(0, 2)), cal.alpha + 2 * 5e-6, 1e-15);
   EXPECT_FALSE(moe::sim::two_node_cluster(cal, 0, {1e9, 0}, &c));
   EXPECT_FALSE(moe::sim::two_node_cluster(cal, 1, {0, 0}, &c));
+  // Accelerators: no cores to pin. CPU ranks: each node on its own half of the machine's cores, as
+  // `moe cluster up` pins its hosts; with one core both share it.
+  EXPECT_FALSE(c.cpu_nodes_pinned);
+  CalibrationResult cpu = synthetic_result();
+  cpu.cluster.cpu_cores = 2;
+  ASSERT_TRUE(moe::sim::two_node_cluster(cpu, 2, {1e9, 0}, &c));
+  EXPECT_TRUE(c.cpu_nodes_pinned);
+  cpu.cluster.cpu_cores = 1;
+  ASSERT_TRUE(moe::sim::two_node_cluster(cpu, 2, {1e9, 0}, &c));
+  EXPECT_FALSE(c.cpu_nodes_pinned);
 }
 
 // A synthetic 2-rank run of a small model whose op times follow known figures: compute ops at one

@@ -247,6 +247,17 @@ TEST(SimClusterJson, CpuCoresRoundTripAndStayOutOfAcceleratorClusters) {
   const Status s = ClusterSpec::from_json(bad, &back);
   ASSERT_FALSE(s);
   EXPECT_NE(s.message().find("cpu_cores (-1) must be in [0"), std::string::npos) << s.message();
+  // Pinned nodes: written only when set, read back; a core for every node.
+  EXPECT_FALSE(j.contains("cpu_nodes_pinned"));
+  spec.cpu_nodes_pinned = true;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(spec.to_json().dump()), &back));
+  EXPECT_EQ(back, spec);
+  bad = spec.to_json();
+  bad["cpu_nodes_pinned"] = "yes";
+  EXPECT_FALSE(ClusterSpec::from_json(bad, &back));
+  spec.cpu_cores = 1;
+  spec.nodes = 2;
+  EXPECT_FALSE(spec.validate());
 }
 
 // Per-kind speeds: written only when there are some, read back equal; a kind that is not a compute op

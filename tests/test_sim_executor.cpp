@@ -239,6 +239,25 @@ TEST(SimExecutor, CpuLanesMovingDataBetweenHostsShareTheCoresWithCompute) {
   EXPECT_NEAR(end_s(capped, 0, 0), 1.0 + (0.5 - 1.0 / 3), kNs);
 }
 
+// Pinned nodes (ClusterSpec::cpu_nodes_pinned): each node's ranks share its own cores. A rank of 2
+// threads computing 1 s of work alone on two nodes of 2 cores in all: all the cores while the other
+// node idles; its node's one core when pinned.
+TEST(SimExecutor, PinnedNodesShareOnlyTheirOwnCores) {
+  ClusterSpec spec = two_nodes_one_nic(1e9);
+  spec.cpu_cores = 2;
+  spec.cpu_threads_per_device = 2;
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) compute(g[r], r == 0 ? 1e14 : 0);
+  EXPECT_NEAR(end_s(run(Cluster(spec), g), 0, 0), 1.0, kNs);
+  spec.cpu_nodes_pinned = true;
+  EXPECT_NEAR(end_s(run(Cluster(spec), g), 0, 0), 2.0, kNs);
+  // Both ranks computing: 4 threads on 2 cores either way.
+  for (int r = 0; r < 2; ++r) g[r] = StepGraph{}, compute(g[r], 1e14);
+  EXPECT_NEAR(end_s(run(Cluster(spec), g), 1, 0), 2.0, kNs);
+  spec.cpu_nodes_pinned = false;
+  EXPECT_NEAR(end_s(run(Cluster(spec), g), 1, 0), 2.0, kNs);
+}
+
 // Rank graphs for the priority test: an allreduce cut into two micro-ops on lane 2, ready at 0; an
 // all-to-all on lane 1 that becomes ready when a compute op ends while the first micro-op runs.
 std::vector<StepGraph> priority_graphs(int a2a_priority, double S) {

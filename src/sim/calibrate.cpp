@@ -178,6 +178,8 @@ Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSp
   n.nic_pcie.latency = 0;  // the calibrated alpha is paid on the devices' links at either end
   n.nic_port = nic;
   c.fabric = FabricSpec{};
+  // `moe cluster up` pins each emulated host to its own share of the CPUs when there is one per host.
+  c.cpu_nodes_pinned = c.cpu_cores >= c.nodes;
   if (Status s = c.validate(); !s) return Status::error(str_cat("two_node_cluster: ", s.message()));
   *out = std::move(c);
   return Status::ok();

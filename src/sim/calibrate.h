@@ -127,7 +127,9 @@ ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int threads_per_r
 // The calibrated device and intra-node links on two nodes of `ranks_per_node` devices each, joined by
 // one NIC per node of link `nic` (its bandwidth in payload bytes/s and latency: an emulated NIC's
 // configured cap is its datasheet) through one non-blocking switch. A flow between the nodes crosses
-// the device link at either end (latency alpha / 2 each, as calibrated) and both NIC ports. Error:
+// the device link at either end (latency alpha / 2 each, as calibrated) and both NIC ports. On a
+// calibrated CPU machine of at least 2 cores each node's ranks get half of them (cpu_nodes_pinned),
+// as `moe cluster up` pins its hosts. Error:
 // ranks_per_node < 1, or a NIC without bandwidth.
 Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSpec nic, ClusterSpec* out);
 

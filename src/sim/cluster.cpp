@@ -114,6 +114,13 @@ class Reader {
     if (v) read_int(*v, field(key), out);
   }
 
+  void boolean(const char* key, bool* out, bool required = true) {
+    const nlohmann::json* v = find(key, required);
+    if (!v) return;
+    if (!v->is_boolean()) return fail(str_cat(field(key), " must be true or false, got ", describe(*v)));
+    *out = v->get<bool>();
+  }
+
   void text(const char* key, std::string* out, bool required = true) {
     const nlohmann::json* v = find(key, required);
     if (!v) return;
@@ -329,6 +336,9 @@ Status ClusterSpec::validate() const {
   if (!(s = nonnegative("fabric.uplink_latency", fabric.uplink_latency))) return s;
   if (!(s = in_range("cpu_cores", cpu_cores, 0, 1 << 20))) return s;
   if (!(s = in_range("cpu_threads_per_device", cpu_threads_per_device, 1, 1 << 20))) return s;
+  if (cpu_nodes_pinned && cpu_cores < nodes)
+    return cluster_error(str_cat("cpu_nodes_pinned needs a core for every node: cpu_cores (", cpu_cores, ") < nodes (",
+                                 nodes, ")"));
 
   // The links Cluster builds (two per physical link), bounded so ids fit and memory stays sane.
   int64_t per_node = 2 * static_cast<int64_t>(n.devices) + 2 * switches +
@@ -381,6 +391,7 @@ nlohmann::json ClusterSpec::to_json() const {
   if (cpu_cores > 0) {
     j["cpu_cores"] = cpu_cores;
     j["cpu_threads_per_device"] = cpu_threads_per_device;
+    if (cpu_nodes_pinned) j["cpu_nodes_pinned"] = true;
   }
   return j;
 }
@@ -443,6 +454,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
   }
   top.integer("cpu_cores", &c.cpu_cores, /*required=*/false);
   top.integer("cpu_threads_per_device", &c.cpu_threads_per_device, /*required=*/false);
+  top.boolean("cpu_nodes_pinned", &c.cpu_nodes_pinned, /*required=*/false);
   top.finish();
   if (!st) return st;
   if (Status s = c.validate(); !s) return s;

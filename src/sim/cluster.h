@@ -87,12 +87,16 @@ struct ClusterSpec {
   NodeSpec node;
   FabricSpec fabric;
   // CPU ranks (a calibrated cluster of this machine): cpu_cores > 0 says every device is an MPI rank
-  // running cpu_threads_per_device compute threads, and all of them, on every node (an emulated
-  // cluster's hosts are namespaces of one machine), share cpu_cores cores. The executor then shares
-  // the cores among the compute ops running at a time (processor sharing, executor.h). 0: the devices
-  // are accelerators with their own compute (every preset). JSON keys present only when cpu_cores > 0.
+  // running cpu_threads_per_device compute threads on a machine of cpu_cores cores (an emulated
+  // cluster's hosts are namespaces of one machine). The executor then shares the cores among the
+  // threads running at a time (processor sharing, executor.h). 0: the devices are accelerators with
+  // their own compute (every preset). JSON keys present only when cpu_cores > 0.
   int cpu_cores = 0;               // >= 0
   int cpu_threads_per_device = 1;  // >= 1
+  // With cpu_cores > 0 and several nodes: each node's ranks run on cpu_cores / nodes cores of their
+  // own (`moe cluster up` pins every emulated host to an equal share of the machine's CPUs when it
+  // has one per host), instead of all nodes sharing all of them. REQUIRES cpu_cores >= nodes.
+  bool cpu_nodes_pinned = false;
 
   // Every figure and index, and their combinations. The message names the field as the JSON spells
   // it, e.g. "cluster: node.device_switch[3] (7) must be in [0, 4)".

@@ -198,11 +198,18 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     }
   };
   std::priority_queue<ComputeEnd, std::vector<ComputeEnd>, std::greater<ComputeEnd>> compute_ends;
-  // Processor sharing of a CPU cluster's cores (executor.h): the compute ops running, each with its
-  // work left (seconds alone), and the lanes moving data between hosts, all progressing at `share`
-  // since `share_since`. When the share changes, every running op's end is pushed again under a new
+  // Processor sharing of a CPU cluster's cores (executor.h), per pool of cores (one per node when
+  // the nodes are pinned, else one for the machine): the compute ops running, each with its work left
+  // (seconds alone), and the lanes moving data between hosts, progressing at their pool's `share`
+  // since `share_since`. When a share changes, every running op's end is pushed again under a new
   // version; the old entries are skipped.
   const int cpu_cores = cluster_.spec().cpu_cores;
+  const bool pinned = cpu_cores > 0 && cluster_.spec().cpu_nodes_pinned && cluster_.n_nodes() > 1;
+  const int n_pools = pinned ? cluster_.n_nodes() : 1;
+  const double pool_cores = cpu_cores > 0 ? static_cast<double>(cpu_cores) / n_pools : 0;
+  std::vector<int> pool_of(R, 0);
+  if (pinned)
+    for (int r = 0; r < R; ++r) pool_of[r] = cluster_.node_of(cfg_.device_of_rank[r]);
   struct Sharing {
     int rank, op;
     double work;
@@ -212,18 +219,23 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   // Per rank: running communication ops (reached), and those of them moving data between hosts.
   std::vector<int> polling(cpu_cores > 0 ? R : 0, 0), across(cpu_cores > 0 ? R : 0, 0);
   std::vector<char> op_across(cpu_cores > 0 ? state.size() : 0, 0);  // by (rank, op): counted in `across`
-  int lanes_across = 0;
-  double share = 1, share_since = t0;
-  auto share_of = [&](size_t running) {
-    const double demand = static_cast<double>(running) * cluster_.spec().cpu_threads_per_device + lanes_across;
-    return demand > cpu_cores ? cpu_cores / demand : 1.0;
+  // Per pool: compute ops running, lanes moving data between hosts, the share of a core each thread gets.
+  std::vector<int> pool_compute(n_pools, 0), pool_across(n_pools, 0);
+  std::vector<double> share(n_pools, 1.0);
+  double share_since = t0;
+  auto demand_of = [&](int pool) {
+    return static_cast<double>(pool_compute[pool]) * cluster_.spec().cpu_threads_per_device + pool_across[pool];
+  };
+  auto share_of = [&](int pool) {
+    const double demand = demand_of(pool);
+    return demand > pool_cores ? pool_cores / demand : 1.0;
   };
   auto progress_sharing = [&](double now) {  // every running op's work done since share_since
-    for (Sharing& x : sharing) x.work = std::max(0.0, x.work - (now - share_since) * share);
+    for (Sharing& x : sharing) x.work = std::max(0.0, x.work - (now - share_since) * share[pool_of[x.rank]]);
     share_since = now;
   };
   // The links' shares (executor.h): a rank's device links (its copies in and out) at its lanes'
-  // share, `share` while one moves data between hosts; the NICs and switches keep their bandwidth.
+  // share, its pool's share while one moves data between hosts; the NICs and switches keep theirs.
   std::vector<std::vector<int>> rank_links(cpu_cores > 0 && R > 1 ? R : 0);
   for (int r = 0; r < static_cast<int>(rank_links.size()); ++r) {
     const int d = cfg_.device_of_rank[r], other = cfg_.device_of_rank[r == 0 ? 1 : 0];
@@ -237,22 +249,35 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   };
   auto update_links = [&]() {
     if (rank_links.empty()) return;
-    // Lanes within a host get the cores the threads above leave, at most one each.
-    const double demand = static_cast<double>(sharing.size()) * cluster_.spec().cpu_threads_per_device + lanes_across;
-    int within = 0;
-    for (int r = 0; r < R; ++r) within += polling[r] > 0 && across[r] == 0;
-    const double within_share = within > 0 ? std::min(1.0, std::max(0.0, cpu_cores - demand) / within) : 1.0;
-    for (int r = 0; r < R; ++r)
-      for (int l : rank_links[r]) set_link_share(l, across[r] > 0 ? share : within_share);
-  };
-  auto requeue_sharing = [&](double now, bool all) {  // after `sharing` changed; `all`: else only the last
-    const double s = share_of(sharing.size());
-    if (s != share) all = true;
-    share = s;
-    for (size_t i = all ? 0 : sharing.size() - 1; i < sharing.size(); ++i) {
-      const Sharing& x = sharing[i];
-      compute_ends.push({now + x.work / share, x.rank, x.op, ++version[at(x.rank, x.op)]});
+    // Lanes within a host get the cores of their pool that the threads above leave, at most one each.
+    std::vector<int> within(n_pools, 0);
+    for (int r = 0; r < R; ++r) within[pool_of[r]] += polling[r] > 0 && across[r] == 0;
+    for (int r = 0; r < R; ++r) {
+      const int q = pool_of[r];
+      const double within_share =
+          within[q] > 0 ? std::min(1.0, std::max(0.0, pool_cores - demand_of(q)) / within[q]) : 1.0;
+      for (int l : rank_links[r]) set_link_share(l, across[r] > 0 ? share[q] : within_share);
     }
+  };
+  // After the ops or lanes of a pool changed: new shares; the ends of the ops whose share changed,
+  // and of the op added last, pushed again.
+  auto requeue_sharing = [&](double now) {
+    std::vector<char> changed(n_pools, 0);
+    for (int q = 0; q < n_pools; ++q) {
+      const double s = share_of(q);
+      changed[q] = s != share[q];
+      share[q] = s;
+    }
+    for (size_t i = 0; i < sharing.size(); ++i) {
+      const Sharing& x = sharing[i];
+      if (changed[pool_of[x.rank]] || i + 1 == sharing.size())
+        compute_ends.push({now + x.work / share[pool_of[x.rank]], x.rank, x.op, ++version[at(x.rank, x.op)]});
+    }
+  };
+  auto shares_stale = [&]() {
+    for (int q = 0; q < n_pools; ++q)
+      if (share_of(q) != share[q]) return true;
+    return false;
   };
   std::vector<char> dirty(R, 1);
   std::vector<int> dirty_list(R);
@@ -277,7 +302,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   auto end_op = [&](int r, int op, double t) {
     if (cpu_cores > 0 && g0.ops[op].stream != 0) {
       --polling[r];
-      if (op_across[at(r, op)]) --across[r], --lanes_across;
+      if (op_across[at(r, op)]) --across[r], --pool_across[pool_of[r]];
     }
     state[at(r, op)] = graph::OpState::ended;
     t_end[at(r, op)] = t;
@@ -369,7 +394,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       bool hosts = false;
       for (int r : mem) hosts = hosts || cluster_.node_of(cfg_.device_of_rank[r]) != cluster_.node_of(spec.devices[0]);
       if (hosts)
-        for (int r : mem) op_across[at(r, op)] = 1, ++across[r], ++lanes_across;
+        for (int r : mem) op_across[at(r, op)] = 1, ++across[r], ++pool_across[pool_of[r]];
     }
     const int id = colls_.start(spec);
     if (id >= static_cast<int>(coll_inst.size())) coll_inst.resize(id + 1, {-1, -1});
@@ -386,7 +411,8 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       if (cpu_cores > 0) {
         progress_sharing(now);
         sharing.push_back({r, op, alone});
-        requeue_sharing(now, /*all=*/false);
+        ++pool_compute[pool_of[r]];
+        requeue_sharing(now);
       } else {
         compute_ends.push({now + alone, r, op, 0});
       }
@@ -417,9 +443,9 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     if (!dirty_list.empty()) continue;  // members without transfers ended at once
     if (n_ended == n_total) break;
     if (cpu_cores > 0) {  // lanes started or stopped: new shares for compute and links
-      if (share_of(sharing.size()) != share) {
+      if (shares_stale()) {
         progress_sharing(colls_.now());
-        requeue_sharing(colls_.now(), /*all=*/true);
+        requeue_sharing(colls_.now());
       }
       update_links();
     }
@@ -442,13 +468,11 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
         if (!shared_ended) progress_sharing(t);
         shared_ended = true;
         std::erase_if(sharing, [&](const Sharing& x) { return x.rank == e.rank && x.op == e.op; });
+        --pool_compute[pool_of[e.rank]];
       }
       end_op(e.rank, e.op, t);
     }
-    if (shared_ended && !sharing.empty()) {
-      const double s = share_of(sharing.size());
-      if (s != share) requeue_sharing(t, /*all=*/true);
-    }
+    if (shared_ended && !sharing.empty() && shares_stale()) requeue_sharing(t);
     take_member_ends();
   }
 

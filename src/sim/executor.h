@@ -9,22 +9,24 @@
 //   * priority across lanes: a communication op does not start while a communication op of higher
 //     priority on another lane of the same rank is running or ready (heads its lane, deps ended);
 //   * a compute op takes sim::op_time(device, flops, bytes) (compute.h); on a cluster of CPU ranks
-//     (ClusterSpec::cpu_cores > 0) that is its work in seconds of its threads running alone, and the
-//     cores are shared (processor sharing, as the OS scheduler time-slices threads) among the compute
-//     ops' threads and the lanes moving data between hosts: a communication op whose collective spans
-//     more than one node is one thread from the moment its collective started (every member reached
-//     it) until the member's part ended. While n compute ops and k such lanes run, every thread gets
-//     s = min(1, cpu_cores / (n * cpu_threads_per_device + k)) of a core: compute ops progress at s of
-//     their speed alone, and those lanes' device links (their copies in and out) carry s of their
+//     (ClusterSpec::cpu_cores > 0) that is its work in seconds of its threads running alone, and a
+//     pool of C cores is shared (processor sharing, as the OS scheduler time-slices threads) among
+//     the compute ops' threads and the lanes moving data between hosts of its ranks. The pools: one
+//     per node of C = cpu_cores / nodes when ClusterSpec::cpu_nodes_pinned, else one of
+//     C = cpu_cores for all. A communication op whose collective spans more than one node is one
+//     thread from the moment its collective started (every member reached it) until the member's part
+//     ended. While n compute ops and k such lanes of a pool run, every thread gets
+//     s = min(1, C / (n * cpu_threads_per_device + k)) of a core: compute ops progress at s of their
+//     speed alone, and those lanes' device links (their copies in and out) carry s of their
 //     bandwidth; the NICs keep theirs (at 1 Gbit/s the cap, not the CPU, bounds a transfer). The
 //     kernel's TCP path and the emulated NICs are CPU work done beside the compute, not after it
 //     (measured: docs/sim.md, "Transfers between hosts are CPU work").
 //     Communication within a host takes no share from compute: the runtime's lanes poll with
 //     sched_yield, which hands the core to any runnable compute thread. Those lanes get what the
-//     threads above leave: with k ranks polling a running communication op, each gets
-//     min(1, max(0, cpu_cores - demand) / k) of a core, and its device links (the copies into and out
-//     of it) carry that share of their bandwidth; so a transfer stalls while compute fills every core,
-//     and 4 ranks exchanging on 2 idle cores copy at half speed;
+//     threads above leave in their pool: with k of its ranks polling a running communication op,
+//     each gets min(1, max(0, C - demand) / k) of a core, and its device links (the copies into and
+//     out of it) carry that share of their bandwidth; so a transfer stalls while compute fills every
+//     core, and 4 ranks exchanging on 2 idle cores copy at half speed;
 //   * a collective op is "reached" on a rank when that rank may start it: it is then running there, as
 //     a blocking call is. Its flows start when every member of its group has reached it (the group:
 //     world, ep = consecutive world ranks [g*G, (g+1)*G), dp = the ranks with the same rank % G, as
