@@ -170,18 +170,25 @@ TEST(SimExecutor, ComputeOpsRunAtTheirKindsSpeed) {
   EXPECT_NEAR(end_s(res, 0, 1), 5.0, kNs);
 }
 
-// CPU ranks' lanes get the cores compute leaves: an exchange ready at 0 waits while rank 0 computes
-// on the only core, then both lanes share it (each device link at half its bandwidth).
-TEST(SimExecutor, CpuLanesMoveDataOnTheCoresComputeLeaves) {
-  ClusterSpec spec = star_spec(2, 1e9, 0, unit_device());
+// Two ranks: a compute op of `flops` on rank 0 (none on rank 1) and, ready at once, an exchange of
+// 1 GB each way on lane 1.
+std::vector<StepGraph> exchange_beside_compute(double flops) {
   std::vector<StepGraph> g(2);
   for (int r = 0; r < 2; ++r) {
     g[r].add_stream("a2a", true);
-    compute(g[r], r == 0 ? 1e14 : 0);  // 1 s on rank 0
+    compute(g[r], r == 0 ? flops : 0);
     std::vector<int64_t> peer(2, 1000000000);
     peer[r] = 0;
     comm(g[r], 1, Collective::alltoallv, Group::world, 0, {}, 1000000000, peer);
   }
+  return g;
+}
+
+// CPU ranks' lanes get the cores compute leaves: an exchange ready at 0 waits while rank 0 computes
+// on the only core, then both lanes share it (each device link at half its bandwidth).
+TEST(SimExecutor, CpuLanesMoveDataOnTheCoresComputeLeaves) {
+  ClusterSpec spec = star_spec(2, 1e9, 0, unit_device());
+  const std::vector<StepGraph> g = exchange_beside_compute(1e14);  // 1 s on rank 0
   {
     const StepResult res = run(Cluster(spec), g);  // accelerators: the exchange beside the compute
     EXPECT_NEAR(end_s(res, 0, 1), 1.0, kNs);
@@ -205,14 +212,7 @@ TEST(SimExecutor, CpuLanesMoveDataOnTheCoresComputeLeaves) {
 TEST(SimExecutor, CpuLanesMovingDataBetweenHostsShareTheCoresWithCompute) {
   ClusterSpec spec = two_nodes_one_nic(1e12);
   spec.node.device_pcie = {1e9, 0};
-  std::vector<StepGraph> g(2);
-  for (int r = 0; r < 2; ++r) {
-    g[r].add_stream("a2a", true);
-    compute(g[r], r == 0 ? 0.5e14 : 0);  // 0.5 s on rank 0
-    std::vector<int64_t> peer(2, 1000000000);
-    peer[r] = 0;
-    comm(g[r], 1, Collective::alltoallv, Group::world, 0, {}, 1000000000, peer);
-  }
+  const std::vector<StepGraph> g = exchange_beside_compute(0.5e14);  // 0.5 s on rank 0
   {
     const StepResult res = run(Cluster(spec), g);  // accelerators: the exchange beside the compute
     EXPECT_NEAR(end_s(res, 0, 0), 0.5, kNs);
