@@ -219,17 +219,15 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   // Per rank: running communication ops (reached), and those of them moving data between hosts.
   std::vector<int> polling(cpu_cores > 0 ? R : 0, 0), across(cpu_cores > 0 ? R : 0, 0);
   std::vector<char> op_across(cpu_cores > 0 ? state.size() : 0, 0);  // by (rank, op): counted in `across`
-  // Per pool: compute ops running, lanes moving data between hosts, the share of a core each thread gets.
-  std::vector<int> pool_compute(n_pools, 0), pool_across(n_pools, 0);
-  std::vector<double> share(n_pools, 1.0);
+  std::vector<double> share(n_pools, 1.0);  // per pool: the share of a core each thread gets
   double share_since = t0;
-  auto demand_of = [&](int pool) {
-    return static_cast<double>(pool_compute[pool]) * cluster_.spec().cpu_threads_per_device + pool_across[pool];
+  auto demands = [&]() {  // per pool: compute threads running plus lanes moving data between hosts
+    std::vector<double> d(n_pools, 0.0);
+    for (const Sharing& x : sharing) d[pool_of[x.rank]] += cluster_.spec().cpu_threads_per_device;
+    for (int r = 0; r < static_cast<int>(across.size()); ++r) d[pool_of[r]] += across[r];
+    return d;
   };
-  auto share_of = [&](int pool) {
-    const double demand = demand_of(pool);
-    return demand > pool_cores ? pool_cores / demand : 1.0;
-  };
+  auto share_at = [&](double demand) { return demand > pool_cores ? pool_cores / demand : 1.0; };
   auto progress_sharing = [&](double now) {  // every running op's work done since share_since
     for (Sharing& x : sharing) x.work = std::max(0.0, x.work - (now - share_since) * share[pool_of[x.rank]]);
     share_since = now;
@@ -250,33 +248,36 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   auto update_links = [&]() {
     if (rank_links.empty()) return;
     // Lanes within a host get the cores of their pool that the threads above leave, at most one each.
+    const std::vector<double> demand = demands();
     std::vector<int> within(n_pools, 0);
     for (int r = 0; r < R; ++r) within[pool_of[r]] += polling[r] > 0 && across[r] == 0;
     for (int r = 0; r < R; ++r) {
       const int q = pool_of[r];
       const double within_share =
-          within[q] > 0 ? std::min(1.0, std::max(0.0, pool_cores - demand_of(q)) / within[q]) : 1.0;
+          within[q] > 0 ? std::min(1.0, std::max(0.0, pool_cores - demand[q]) / within[q]) : 1.0;
       for (int l : rank_links[r]) set_link_share(l, across[r] > 0 ? share[q] : within_share);
     }
   };
-  // After the ops or lanes of a pool changed: new shares; the ends of the ops whose share changed,
-  // and of the op added last, pushed again.
-  auto requeue_sharing = [&](double now) {
+  // After the ops or lanes of a pool changed: new shares; the ends of the ops whose share changed
+  // pushed again, and the end of the op just added (`added`: the last in `sharing`).
+  auto requeue_sharing = [&](double now, bool added) {
+    const std::vector<double> demand = demands();
     std::vector<char> changed(n_pools, 0);
     for (int q = 0; q < n_pools; ++q) {
-      const double s = share_of(q);
+      const double s = share_at(demand[q]);
       changed[q] = s != share[q];
       share[q] = s;
     }
     for (size_t i = 0; i < sharing.size(); ++i) {
       const Sharing& x = sharing[i];
-      if (changed[pool_of[x.rank]] || i + 1 == sharing.size())
+      if (changed[pool_of[x.rank]] || (added && i + 1 == sharing.size()))
         compute_ends.push({now + x.work / share[pool_of[x.rank]], x.rank, x.op, ++version[at(x.rank, x.op)]});
     }
   };
   auto shares_stale = [&]() {
+    const std::vector<double> demand = demands();
     for (int q = 0; q < n_pools; ++q)
-      if (share_of(q) != share[q]) return true;
+      if (share_at(demand[q]) != share[q]) return true;
     return false;
   };
   std::vector<char> dirty(R, 1);
@@ -302,7 +303,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   auto end_op = [&](int r, int op, double t) {
     if (cpu_cores > 0 && g0.ops[op].stream != 0) {
       --polling[r];
-      if (op_across[at(r, op)]) --across[r], --pool_across[pool_of[r]];
+      if (op_across[at(r, op)]) --across[r];
     }
     state[at(r, op)] = graph::OpState::ended;
     t_end[at(r, op)] = t;
@@ -376,26 +377,22 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       }
       spec.bytes = bytes;
     }
-    spec.hierarchical = spec.kind == CollectiveKind::allreduce && cfg_.hierarchical_allreduce;
+    bool spans_nodes = false;
+    for (int d : spec.devices) spans_nodes = spans_nodes || cluster_.node_of(d) != cluster_.node_of(spec.devices[0]);
+    // Hierarchical only when the members spread evenly over several nodes; else the flat ring.
+    spec.hierarchical = spec.kind == CollectiveKind::allreduce && cfg_.hierarchical_allreduce && spans_nodes;
     if (spec.hierarchical) {
-      // Only when the members spread evenly over several nodes; else the flat ring.
       std::vector<int> per_node(cluster_.n_nodes(), 0);
       for (int d : spec.devices) ++per_node[cluster_.node_of(d)];
-      int k = 0, nodes = 0;
+      int k = 0;
       for (int c : per_node) {
         if (c == 0) continue;
-        ++nodes;
         if (k != 0 && c != k) spec.hierarchical = false;
         k = c;
       }
-      if (nodes < 2) spec.hierarchical = false;
     }
-    if (cpu_cores > 0) {  // across hosts, every member's lane now moves data until its part ends
-      bool hosts = false;
-      for (int r : mem) hosts = hosts || cluster_.node_of(cfg_.device_of_rank[r]) != cluster_.node_of(spec.devices[0]);
-      if (hosts)
-        for (int r : mem) op_across[at(r, op)] = 1, ++across[r], ++pool_across[pool_of[r]];
-    }
+    if (cpu_cores > 0 && spans_nodes)  // across hosts, every member's lane now moves data until its part ends
+      for (int r : mem) op_across[at(r, op)] = 1, ++across[r];
     const int id = colls_.start(spec);
     if (id >= static_cast<int>(coll_inst.size())) coll_inst.resize(id + 1, {-1, -1});
     coll_inst[id] = {op, gi};
@@ -411,8 +408,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
       if (cpu_cores > 0) {
         progress_sharing(now);
         sharing.push_back({r, op, alone});
-        ++pool_compute[pool_of[r]];
-        requeue_sharing(now);
+        requeue_sharing(now, /*added=*/true);
       } else {
         compute_ends.push({now + alone, r, op, 0});
       }
@@ -445,7 +441,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     if (cpu_cores > 0) {  // lanes started or stopped: new shares for compute and links
       if (shares_stale()) {
         progress_sharing(colls_.now());
-        requeue_sharing(colls_.now());
+        requeue_sharing(colls_.now(), /*added=*/false);
       }
       update_links();
     }
@@ -468,11 +464,10 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
         if (!shared_ended) progress_sharing(t);
         shared_ended = true;
         std::erase_if(sharing, [&](const Sharing& x) { return x.rank == e.rank && x.op == e.op; });
-        --pool_compute[pool_of[e.rank]];
       }
       end_op(e.rank, e.op, t);
     }
-    if (shared_ended && !sharing.empty() && shares_stale()) requeue_sharing(t);
+    if (shared_ended && !sharing.empty() && shares_stale()) requeue_sharing(t, /*added=*/false);
     take_member_ends();
   }
 
