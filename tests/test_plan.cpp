@@ -563,6 +563,17 @@ TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {
   // A slow link: the skewed saving (0.28 s) loses to the gather (1 s).
   c = price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 1e3, 1000});
   EXPECT_FALSE(c.gather);
+  // Each transfer of the replica counted (CPU ranks: gather and reduce-scatter, 3 with
+  // rematerialization): at 5e3 B/s one transfer (0.2 s) pays for the 0.28 s saved, two (0.4 s) do not.
+  c = price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 1});
+  EXPECT_TRUE(c.gather);
+  EXPECT_DOUBLE_EQ(c.gather_seconds, 0.2);
+  c = price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 2});
+  EXPECT_FALSE(c.gather);
+  EXPECT_DOUBLE_EQ(c.gather_seconds, 0.4);
+  expect_same(c.placement, owners);
+  EXPECT_THROW(price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 0}),
+               std::logic_error);
   EXPECT_THROW(price_placement(owners, even_placement(8, 4), skewed, nodes, CalibrationModel{1e-3, 1e5, 1000}),
                std::logic_error);
 }
@@ -655,6 +666,14 @@ TEST(FasterMoe, UnitCosts) {
   FasterMoeModel bad = small_model();
   bad.bandwidth = 0;
   EXPECT_THROW(fastermoe_unit_costs(bad), std::logic_error);
+  bad = small_model();
+  bad.transfers_per_shadow = 0;
+  EXPECT_THROW(fastermoe_unit_costs(bad), std::logic_error);
+  // CPU ranks: the broadcast and the gradients' reduce both count.
+  FasterMoeModel cpu = small_model();
+  cpu.transfers_per_shadow = 2;
+  EXPECT_DOUBLE_EQ(fastermoe_unit_costs(cpu).t_m, 8.0);
+  EXPECT_DOUBLE_EQ(fastermoe_unit_costs(cpu).t_c, 1.0);
 }
 
 TEST(FasterMoe, ShadowsNothingUnderUniformOrZeroLoad) {
@@ -678,6 +697,13 @@ TEST(FasterMoe, ShadowsTheHotExpertUnderASingleHotLoad) {
   EXPECT_EQ(p.owner, base.owner);
   const std::vector<int> everywhere = {0, 1, 2, 3};
   for (int e = 0; e < 8; ++e) EXPECT_EQ(p.replicas[e], e == 6 ? everywhere : base.replicas[e]);
+  // Counting the gradients' reduce too (t_m = 8): a hot expert with 4 tokens (Lat_0 = 16 > 8) is
+  // shadowed; with 2 tokens (Lat_0 = 8 = Lat_1) it is not, where one transfer (t_m = 4) paid.
+  FasterMoeModel cpu = small_model();
+  cpu.transfers_per_shadow = 2;
+  EXPECT_EQ(fastermoe_shadowed({0, 4, 0, 0}, cpu), std::vector<int>{1});
+  EXPECT_EQ(fastermoe_shadowed({0, 2, 0, 0}, small_model()), std::vector<int>{1});
+  EXPECT_TRUE(fastermoe_shadowed({0, 2, 0, 0}, cpu).empty());
   // One token in all: Lat_0 = 4 = Lat_1, not worth a broadcast.
   EXPECT_TRUE(fastermoe_shadowed({0, 0, 1, 0}, small_model()).empty());
   // Sums over source ranks: two ranks with 1 token each for expert 0 make L_0 = 2, Lat_0 = 8 > 4.

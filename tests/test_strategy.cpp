@@ -12,6 +12,7 @@
 
 #include <cmath>
 
+#include "plan/hecate.h"
 #include "runtime/strategy.h"
 #include "strategy/strategy.h"
 
@@ -119,6 +120,38 @@ TEST(StrategyDecisions, HecateReplicatesTheHotExpertItPredicts) {
   EXPECT_EQ(p->owner, owners.owner) << "replicas never move an owner";
   EXPECT_EQ(h->overlap_degree(), 4);
   EXPECT_EQ(h->replica_slots(), 2);  // E / R
+}
+
+// On CPU ranks the replicas' transfers take the compute's cores, so Alg. 1's plan is kept only when
+// the saving on the busiest rank beats the gather and the gradient's reduce-scatter together.
+TEST(StrategyDecisions, HecateOnCpuRanksPaysForTheGatherAndTheReduceScatter) {
+  strategy::Setup s = setup(4);
+  const LayerPlacement owners = moe::plan::even_placement(8, 4);
+  auto planned_by = [&](const strategy::Setup& with) {
+    auto h = make("hecate", with);
+    h->observe(skewed(2, 8), strategy::StepTimes{attention_for(4, with.cost)});
+    return h->before_step(0, owners).value();
+  };
+  const LayerPlacement planned = planned_by(s);  // GPU ranks: Alg. 1's plan as it stands
+  ASSERT_NE(planned.replicas, owners.replicas);
+  const std::vector<int64_t> row = skewed(1, 8)[0];
+  const std::vector<double> load(row.begin(), row.end());
+  const moe::plan::Calibration one = moe::plan::price_placement(
+      owners, planned, moe::plan::even_counts(load, 4), s.nodes,
+      {s.cost.expert_seconds_per_token, s.cost.bandwidth, s.cost.expert_bytes, 1});
+  ASSERT_GT(one.saved_seconds, 0);
+  ASSERT_GT(one.gather_bytes, 0);
+
+  s.cost.transfers_take_compute = true;
+  // One transfer would take 3/4 of the saving, the two take 3/2: nothing gathered.
+  s.cost.bandwidth = static_cast<double>(one.gather_bytes) / (0.75 * one.saved_seconds);
+  EXPECT_EQ(planned_by(s).replicas, owners.replicas);
+  // Two transfers in 4/5 of the saving: the plan stands.
+  s.cost.bandwidth = static_cast<double>(one.gather_bytes) / (0.4 * one.saved_seconds);
+  EXPECT_EQ(planned_by(s).replicas, planned.replicas);
+  // Rematerialization gathers again for the backward: three transfers, 6/5 of the saving.
+  s.options.rematerialize = true;
+  EXPECT_EQ(planned_by(s).replicas, owners.replicas);
 }
 
 TEST(StrategyDecisions, HecateTakesItsOverlapDegreeFromTheInterNodeBandwidth) {

@@ -28,10 +28,14 @@ struct FasterMoeModel {
   int64_t bytes_per_element = 4;  // s
   double bandwidth = 0;           // BW, network bytes/s
   double gemm_flops = 0;          // P, GEMM FLOP/s
+  // n, how many times a shadow's bytes cross between ranks at a cost to the step (>= 1): 1 as in
+  // FasterMoE, whose GPUs reduce the shadows' gradients beside the backward; 2 on CPU ranks, where that
+  // reduce takes the compute's cores as the broadcast does (the same count as Hecate's replicas).
+  int transfers_per_shadow = 1;
 };
 
 // Seconds per unit: t_c = 4aH^2/P (forward GEMMs of one token), t_f = H*s/BW (moving one token once),
-// t_m = 2aH^2*s/BW (moving one expert's weights).
+// t_m = n*2aH^2*s/BW (moving one expert's weights, n times).
 struct FasterMoeUnitCosts {
   double t_c = 0, t_f = 0, t_m = 0;
 };

@@ -157,7 +157,8 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
   if (calibrated.n_ranks != R || calibrated.n_experts() != E) violated(kWhere, "placements of different shapes");
   detail::require_counts(kWhere, counts, R, E);
   if (!std::isfinite(model.expert_seconds_per_token) || model.expert_seconds_per_token <= 0 ||
-      !std::isfinite(model.bandwidth) || model.bandwidth <= 0 || model.expert_bytes <= 0)
+      !std::isfinite(model.bandwidth) || model.bandwidth <= 0 || model.expert_bytes <= 0 ||
+      model.transfers_per_replica < 1)
     violated(kWhere, "CalibrationModel fields must be positive and finite");
   auto busiest = [&](const LayerPlacement& p) {
     const std::vector<int64_t> received = received_tokens(dispatch_plan(p, nodes, counts));
@@ -172,7 +173,7 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
       if (!in_force.holds(r, e)) ++gained[r];
   c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
   c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token;
-  c.gather_seconds = static_cast<double>(c.gather_bytes) / model.bandwidth;
+  c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;
   c.gather = c.saved_seconds > c.gather_seconds;
   c.placement = c.gather ? calibrated : in_force;
   return c;

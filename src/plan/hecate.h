@@ -67,6 +67,11 @@ struct CalibrationModel {
   double expert_seconds_per_token = 0;
   double bandwidth = 0;      // bytes/s a rank receives a gathered expert at
   int64_t expert_bytes = 0;  // one expert's parameter bytes
+  // How many times a replica's bytes cross between ranks in the step at a cost to it (>= 1): 1 where
+  // only the forward gather sits on the critical path (GPUs: the backward's transfers run beside
+  // attention backward); on CPU ranks every transfer takes the compute's cores, so 2 (the gather and
+  // the gradient's SparseReduceScatter), 3 with rematerialization (the backward gathers again).
+  int transfers_per_replica = 1;
 };
 
 // Whether the calibration's extra SparseAllGather pays, and the placement to dispatch over.
@@ -77,7 +82,7 @@ struct Calibration {
   int64_t busiest_after = 0;   // ... under the calibrated placement (computed in both cases)
   int64_t gather_bytes = 0;    // bytes received by the rank receiving the most in the extra gather
   double saved_seconds = 0;    // (busiest_before - busiest_after) * expert_seconds_per_token
-  double gather_seconds = 0;   // gather_bytes / bandwidth
+  double gather_seconds = 0;   // transfers_per_replica * gather_bytes / bandwidth
 };
 
 // Calibration after the gate (§4.2): re-runs Alg. 1 on the placement in force with the actual loads
@@ -85,13 +90,15 @@ struct Calibration {
 // sparse_materialize counts them), then prices the result. Cost model:
 //   busiest(P)      = max over ranks d of the tokens dispatch_plan(P, nodes, counts) sends to d
 //   saved_seconds   = (busiest(in force) - busiest(calibrated)) * expert_seconds_per_token
-//   gather_seconds  = max over ranks of (experts it newly holds) * expert_bytes / bandwidth
+//   gather_seconds  = transfers_per_replica * max over ranks of (experts it newly holds) * expert_bytes
+//                     / bandwidth
 //   gather          = saved_seconds > gather_seconds
 // The gather time is the busiest receiver's, not the total over ranks, because the ranks' receives
-// run concurrently (comm/sparse_collectives.h: rounds ~ the most chunks any rank receives). Only the
-// forward gather is charged: it sits on the critical path, while the backward's re-gather and the
-// SparseReduceScatter of the extra replicas hide behind attention backward (§3.2). Ignored: the
-// all-to-all time, which a better balance also shortens (so the model errs towards not gathering).
+// run concurrently (comm/sparse_collectives.h: rounds ~ the most chunks any rank receives). With
+// transfers_per_replica = 1 only the forward gather is charged: it sits on the critical path, while
+// the backward's re-gather and the SparseReduceScatter of the extra replicas hide behind attention
+// backward (§3.2); where they cannot hide, the caller counts them. Ignored: the all-to-all time,
+// which a better balance also shortens (so the model errs towards not gathering).
 // t: the experts Alg. 1 considers (the overlap degree, as in the overlapped run; pass E to consider
 // all). counts [R][E] as in dispatch_plan. REQUIRES: those of sparse_materialize and dispatch_plan,
 // model fields > 0 and finite.

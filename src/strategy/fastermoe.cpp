@@ -18,6 +18,7 @@ class FasterMoe : public Strategy {
   void update_cost(const CostModel& c) override {
     model_.bandwidth = c.bandwidth;
     model_.gemm_flops = c.gemm_flops;
+    model_.transfers_per_shadow = c.transfers_take_compute ? 2 : 1;  // the broadcast and the gradients' reduce
   }
   const char* name() const override { return "fastermoe"; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_after_gate = true; }

@@ -80,9 +80,12 @@ class Hecate : public Strategy {
   bool gathers_behind_attention() const override { return true; }
 
  private:
-  // The price of a gather (before the gate and at calibration alike).
+  // The price of a gather (before the gate and at calibration alike). On CPU ranks every transfer of
+  // a replica takes the compute's cores: the gather, the gradient's reduce-scatter and, with
+  // rematerialization, the backward's second gather.
   plan::CalibrationModel calibration_model() const {
-    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes};
+    const int transfers = s_.cost.transfers_take_compute ? (s_.options.rematerialize ? 3 : 2) : 1;
+    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers};
   }
 
   Setup s_;
