@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sim/calibrate.h"
+#include "sim/cluster.h"
 #include "util/shell.h"
 #include "util/str_cat.h"
 
@@ -72,6 +73,23 @@ TEST_F(SimCli, ReportsMetricsAndTrace) {
     EXPECT_EQ(key.second >= 1 && key.second <= 4, true) << key.second;
   }
   EXPECT_GT(ops_of.begin()->second, 4 * 10) << "4 blocks of attention, gate, exchanges, experts, combine";
+}
+
+// A cluster file keeps its own node count unless --nodes says another; a preset has 1 unless told.
+TEST_F(SimCli, AClusterFileKeepsItsNodesUnlessTold) {
+  moe::sim::ClusterSpec two;
+  ASSERT_TRUE(moe::sim::preset_cluster("p4d.24xlarge", 2, &two));
+  const fs::path file = dir_ / "two.json";
+  ASSERT_TRUE(moe::sim::write_cluster_file(file.string(), two));
+  for (const auto& [flags, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--cluster " + file.string(), ": 2 node(s) x 8"},
+           {"--cluster " + file.string() + " --nodes 3", ": 3 node(s) x 8"},
+           {"--cluster p4d.24xlarge", ": 1 node(s) x 8"},
+           {"--cluster p4d.24xlarge --nodes 2", ": 2 node(s) x 8"}}) {
+    const ShellResult r = run(std::string(MOE_BIN) + " sim " + flags + " --steps 1");
+    ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << flags << "\n" << r.output;
+  }
 }
 
 TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {

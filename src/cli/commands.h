@@ -54,6 +54,7 @@ struct BenchFlags {
   std::string html;  // --report FILE (strategies, cluster-strategies)
   std::string only;  // --only TEXT (cluster-strategies)
   std::vector<double> rates;  // --rates CHAT,LONG (serve, cluster-serve)
+  std::string keep;  // --keep DIR (cluster-strategies)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
 int run_bench(const BenchFlags& flags);
@@ -70,7 +71,7 @@ std::string cluster_script();
 // `moe sim` (src/cli/sim_command.cpp): a simulated run on a modeled cluster, or --calibrate.
 struct SimFlags {
   std::string cluster;             // preset name or cluster JSON file
-  int nodes = 1;
+  int nodes = 0;                   // 0: a preset's 1, a file's own
   std::string model;               // ModelConfig JSON (empty: the defaults)
   std::string strategy = "ep";
   std::string load = "uniform";

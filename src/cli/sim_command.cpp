@@ -35,11 +35,13 @@ Status load_model(const std::string& path, ModelConfig* out) {
   return Status::ok();
 }
 
+// nodes: 0 for a preset's one node or a file's own count.
 Status load_cluster(const std::string& name_or_file, int nodes, sim::ClusterSpec* out) {
   for (const std::string& p : sim::preset_names())
-    if (p == name_or_file) return sim::preset_cluster(name_or_file, nodes, out);
+    if (p == name_or_file) return sim::preset_cluster(name_or_file, nodes > 0 ? nodes : 1, out);
   if (name_or_file.find(".json") == std::string::npos && name_or_file.find('/') == std::string::npos) {
-    return sim::preset_cluster(name_or_file, nodes, out);  // the unknown-preset message lists the presets
+    // the unknown-preset message lists the presets
+    return sim::preset_cluster(name_or_file, nodes > 0 ? nodes : 1, out);
   }
   if (Status s = sim::load_cluster_file(name_or_file, out); !s) return s;
   if (nodes > 0) out->nodes = nodes;
@@ -159,7 +161,8 @@ Status write_metrics(const std::string& path, const sim::SimRunConfig& cfg, cons
 CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
   CLI::App* c = app.add_subcommand("sim", "predict training steps on a modeled cluster (see docs/sim.md)");
   c->add_option("--cluster", f->cluster, "preset name or cluster JSON file");
-  c->add_option("--nodes", f->nodes, "nodes of the preset (or override the file's)")->check(CLI::PositiveNumber);
+  c->add_option("--nodes", f->nodes, "nodes of the preset (default 1), or instead of the cluster file's")
+      ->check(CLI::PositiveNumber);
   c->add_option("--model", f->model, "model config JSON (ModelConfig keys, or a train config with \"model\")");
   std::string strategies;
   for (const auto& [name, info] : sim::sim_strategies()) strategies += (strategies.empty() ? "" : ", ") + name;
