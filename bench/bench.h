@@ -62,6 +62,7 @@ struct BenchOptions {
   std::string only;        // cluster-strategies: only configurations whose name (2x1-1gbit-skew1.5) contains it
   std::vector<double> rates;  // serve, cluster-serve: arrivals per second per workload (chat, long prompts);
                               // empty: 70% of ep's closed-loop throughput, measured first
+  std::string keep;        // cluster-strategies: copy the runs' files and calibrated clusters to this folder
 };
 // The runs' metrics files as one `moe report` page at `path` (labels: the runs' names, one per file);
 // says where on stderr. Returns false, saying why, when a file cannot be read or the page written.

@@ -35,6 +35,10 @@
 //                (as bench sim-fidelity's fastest-run column)
 // --only TEXT: only the configurations whose name (2x1-1gbit-skew1.5, 2x2-10gbit-skew0, ...) contains
 // TEXT, e.g. more rounds of one of them in the same time.
+// --keep DIR: every run's metrics, the calibration runs' metrics and traces, each configuration's
+// calibrated cluster (NAME.cluster.json) and runs.tsv (which file is which run, its measured and
+// predicted step graph ms) copied to DIR, so the predictions can be made again (`moe sim --cluster
+// NAME.cluster.json --load FILE.jsonl`) with another simulator model without running the cluster again.
 // --report FILE: per configuration, the last round's metrics of every strategy drawn on one moe report
 // page, FILE's name with the configuration inserted before its extension (report-2x1-1gbit-skew1.5.html).
 // All hosts of the emulation share this machine's cores; with 2 ranks per host, 4 ranks take turns on
@@ -46,6 +50,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -204,6 +209,10 @@ int cluster_strategies(const BenchOptions& opt) {
     std::fprintf(stderr, "bench cluster-strategies: configuration %zu of %zu done\n", c + 1, configs.size());
   }
 
+  // --keep: one line per run that ran (configuration, strategy, round, metrics file, measured step and
+  // step graph ms, predicted step graph ms or "-").
+  std::ostringstream kept_runs;
+  kept_runs << "configuration\tstrategy\tround\tmetrics\tstep_ms\tgraph_ms\tsim_graph_ms\n";
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
     const int ranks = 2 * cf.ranks_per_host;
@@ -220,6 +229,7 @@ int cluster_strategies(const BenchOptions& opt) {
     };
     sim::ClusterSpec spec, fast_spec;
     const Status spec_status = calibrated(cal_runs[c], "calibration", &spec);
+    if (spec_status && !opt.keep.empty()) std::ofstream(dir / (cf.name() + ".cluster.json")) << spec.to_json().dump(2);
     Status fast_status = spec_status;  // from the fastest calibration run alone
     if (fast_status) {
       const size_t fastest = std::min_element(cal_step[c].begin(), cal_step[c].end()) - cal_step[c].begin();
@@ -262,9 +272,14 @@ int cluster_strategies(const BenchOptions& opt) {
       std::vector<double> pred;
       const std::string name = strategies[s].substr(0, strategies[s].find(' '));
       const int reshard_every = strategies[s].find("--reshard-every 5") != std::string::npos ? 5 : -1;
-      for (const Run& r : runs[c][s]) {
+      for (int r = 0; r < rounds; ++r) {
+        const Run& run = runs[c][s][r];
         double ms = 0;
-        if (r.ok && spec_status && predict(spec, name, reshard_every, ranks, r.metrics, &ms)) pred.push_back(ms);
+        if (run.ok && spec_status && predict(spec, name, reshard_every, ranks, run.metrics, &ms)) pred.push_back(ms);
+        if (run.ok)
+          kept_runs << cf.name() << '\t' << strategies[s] << '\t' << r << '\t'
+                    << fs::path(run.metrics).filename().string() << '\t' << run.step_ms << '\t' << run.graph_ms
+                    << '\t' << (ms > 0 ? str_cat(ms) : "-") << '\n';
       }
       const double p = median(pred), g = med(s, &Run::graph_ms);
       const Run* fastest = nullptr;
@@ -294,6 +309,19 @@ int cluster_strategies(const BenchOptions& opt) {
                                 ", ", cf.workload(), ", round ", rounds, " of ", rounds),
                         files, labels);
     }
+  if (!opt.keep.empty()) {
+    std::ofstream(dir / "runs.tsv") << kept_runs.str();
+    std::error_code ec;
+    fs::create_directories(opt.keep, ec);
+    if (!ec) fs::copy(dir, opt.keep, fs::copy_options::overwrite_existing | fs::copy_options::recursive, ec);
+    if (ec) {
+      std::fprintf(stderr, "moe bench cluster-strategies: --keep %s: %s\n", opt.keep.c_str(), ec.message().c_str());
+      ++failed;
+    } else {
+      std::fprintf(stderr, "moe bench cluster-strategies: runs kept in %s (runs.tsv says which is which)\n",
+                   opt.keep.c_str());
+    }
+  }
   size_t cal_done = 0;
   for (const auto& c : cal_runs) cal_done += c.size();
   report.note(str_cat("sim: the simulator's step graph time (compute + exposed comm) for the run's own loads, "

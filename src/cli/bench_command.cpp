@@ -26,6 +26,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   c->add_option("--only", f->only,
                 "cluster-strategies: only the configurations whose name contains TEXT (names such as 2x1-1gbit-skew1.5, "
                 "2x2-10gbit-skew0)");
+  c->add_option("--keep", f->keep,
+                "cluster-strategies: copy every run's metrics, the calibration runs and each configuration's "
+                "calibrated cluster JSON to DIR, with runs.tsv saying which file is which run");
   c->add_option("--rates", f->rates,
                 "serve, cluster-serve: Poisson arrivals per second for the two workloads, chat and long prompts (e.g. "
                 "115,160), instead of 70% of ep's closed-loop throughput measured first: runs on different days then "
@@ -45,6 +48,10 @@ int run_bench(const BenchFlags& f) {
     std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies\n", f.name.c_str());
     return 2;
   }
+  if (!f.keep.empty() && f.name != "cluster-strategies") {
+    std::fprintf(stderr, "moe bench %s: --keep is for cluster-strategies\n", f.name.c_str());
+    return 2;
+  }
   if (!f.rates.empty() && f.name != "serve" && f.name != "cluster-serve") {
     std::fprintf(stderr, "moe bench %s: --rates is for serve and cluster-serve\n", f.name.c_str());
     return 2;
@@ -57,7 +64,7 @@ int run_bench(const BenchFlags& f) {
   // cluster-strategies' rounds take minutes each, so it runs 2 unless told; a --repeats given is kept
   // whatever its value (5 included).
   const int repeats = f.repeats > 0 ? f.repeats : f.name == "cluster-strategies" ? 2 : 5;
-  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.rates};
+  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.rates, f.keep};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
   if (f.name == "collectives") return bench::collectives(opt);
