@@ -258,6 +258,23 @@ TEST(SimClusterJson, CpuCoresRoundTripAndStayOutOfAcceleratorClusters) {
   spec.cpu_cores = 1;
   spec.nodes = 2;
   EXPECT_FALSE(spec.validate());
+  // The threads' worth of a transfer between hosts: 1 unless given, read back, finite and >= 0.
+  spec = preset("p3dn.24xlarge", 1);
+  spec.cpu_cores = 2;
+  EXPECT_EQ(spec.to_json().at("cpu_threads_per_transfer"), 1.0);
+  spec.cpu_threads_per_transfer = 1.75;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(spec.to_json().dump()), &back));
+  EXPECT_EQ(back, spec);
+  nlohmann::json no_key = spec.to_json();
+  no_key.erase("cpu_threads_per_transfer");
+  ASSERT_TRUE(ClusterSpec::from_json(no_key, &back));
+  EXPECT_EQ(back.cpu_threads_per_transfer, 1.0);
+  bad = spec.to_json();
+  bad["cpu_threads_per_transfer"] = -0.5;
+  const Status negative = ClusterSpec::from_json(bad, &back);
+  ASSERT_FALSE(negative);
+  EXPECT_NE(negative.message().find("cpu_threads_per_transfer (-0.5) must be a finite number >= 0"), std::string::npos)
+      << negative.message();
 }
 
 // Per-kind speeds: written only when there are some, read back equal; a kind that is not a compute op

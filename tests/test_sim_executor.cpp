@@ -239,6 +239,25 @@ TEST(SimExecutor, CpuLanesMovingDataBetweenHostsShareTheCoresWithCompute) {
   EXPECT_NEAR(end_s(capped, 0, 0), 1.0 + (0.5 - 1.0 / 3), kNs);
 }
 
+// A lane between hosts counts as cpu_threads_per_transfer threads (measured by bench transfer-cpu).
+// One core, the exchange above beside 0.5 s of compute: with w = 2 the demand is 1 + 2 x 2, so 1/5 each
+// until the compute ends at 2.5 s (0.5 GB moved), then 1/4 for the lanes: 0.5 GB at 0.25 GB/s, 4.5 s.
+// With w = 0 a transfer takes nothing: the compute ends at 0.5 s and the exchange at 1 s.
+TEST(SimExecutor, ATransferBetweenHostsCountsAsItsMeasuredThreads) {
+  ClusterSpec spec = two_nodes_one_nic(1e12);
+  spec.node.device_pcie = {1e9, 0};
+  spec.cpu_cores = 1;
+  const std::vector<StepGraph> g = exchange_beside_compute(0.5e14);
+  spec.cpu_threads_per_transfer = 2;
+  const StepResult two = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(two, 0, 0), 2.5, kNs);
+  EXPECT_NEAR(end_s(two, 0, 1), 4.5, kNs);
+  spec.cpu_threads_per_transfer = 0;
+  const StepResult none = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(none, 0, 0), 0.5, kNs);
+  EXPECT_NEAR(end_s(none, 0, 1), 1.0, kNs);
+}
+
 // Pinned nodes (ClusterSpec::cpu_nodes_pinned): each node's ranks share its own cores. A rank of 2
 // threads computing 1 s of work alone on two nodes of 2 cores in all: all the cores while the other
 // node idles; its node's one core when pinned.

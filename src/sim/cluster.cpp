@@ -336,6 +336,9 @@ Status ClusterSpec::validate() const {
   if (!(s = nonnegative("fabric.uplink_latency", fabric.uplink_latency))) return s;
   if (!(s = in_range("cpu_cores", cpu_cores, 0, 1 << 20))) return s;
   if (!(s = in_range("cpu_threads_per_device", cpu_threads_per_device, 1, 1 << 20))) return s;
+  if (!std::isfinite(cpu_threads_per_transfer) || cpu_threads_per_transfer < 0)
+    return cluster_error(str_cat("cpu_threads_per_transfer (", cpu_threads_per_transfer,
+                                 ") must be a finite number >= 0"));
   if (cpu_nodes_pinned && cpu_cores < nodes)
     return cluster_error(str_cat("cpu_nodes_pinned needs a core for every node: cpu_cores (", cpu_cores, ") < nodes (",
                                  nodes, ")"));
@@ -392,6 +395,7 @@ nlohmann::json ClusterSpec::to_json() const {
     j["cpu_cores"] = cpu_cores;
     j["cpu_threads_per_device"] = cpu_threads_per_device;
     if (cpu_nodes_pinned) j["cpu_nodes_pinned"] = true;
+    j["cpu_threads_per_transfer"] = cpu_threads_per_transfer;
   }
   return j;
 }
@@ -455,6 +459,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
   top.integer("cpu_cores", &c.cpu_cores, /*required=*/false);
   top.integer("cpu_threads_per_device", &c.cpu_threads_per_device, /*required=*/false);
   top.boolean("cpu_nodes_pinned", &c.cpu_nodes_pinned, /*required=*/false);
+  top.number("cpu_threads_per_transfer", &c.cpu_threads_per_transfer, /*required=*/false);
   top.finish();
   if (!st) return st;
   if (Status s = c.validate(); !s) return s;

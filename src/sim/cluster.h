@@ -97,6 +97,10 @@ struct ClusterSpec {
   // own (`moe cluster up` pins every emulated host to an equal share of the machine's CPUs when it
   // has one per host), instead of all nodes sharing all of them. REQUIRES cpu_cores >= nodes.
   bool cpu_nodes_pinned = false;
+  // With cpu_cores > 0: the compute threads' worth of a host's cores that one lane moving data between
+  // hosts takes while it runs (the kernel's TCP and shaping work, executor.h). 1 unless measured
+  // (bench cluster-strategies measures it on the emulated cluster: docs/sim.md). >= 0, finite.
+  double cpu_threads_per_transfer = 1;
 
   // Every figure and index, and their combinations. The message names the field as the JSON spells
   // it, e.g. "cluster: node.device_switch[3] (7) must be in [0, 4)".

@@ -224,7 +224,8 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   auto demands = [&]() {  // per pool: compute threads running plus lanes moving data between hosts
     std::vector<double> d(n_pools, 0.0);
     for (const Sharing& x : sharing) d[pool_of[x.rank]] += cluster_.spec().cpu_threads_per_device;
-    for (int r = 0; r < static_cast<int>(across.size()); ++r) d[pool_of[r]] += across[r];
+    for (int r = 0; r < static_cast<int>(across.size()); ++r)
+      d[pool_of[r]] += across[r] * cluster_.spec().cpu_threads_per_transfer;
     return d;
   };
   auto share_at = [&](double demand) { return demand > pool_cores ? pool_cores / demand : 1.0; };

@@ -16,7 +16,8 @@
 //     C = cpu_cores for all. A communication op whose collective spans more than one node is one
 //     thread from the moment its collective started (every member reached it) until the member's part
 //     ended. While n compute ops and k such lanes of a pool run, every thread gets
-//     s = min(1, C / (n * cpu_threads_per_device + k)) of a core: compute ops progress at s of their
+//     s = min(1, C / (n * cpu_threads_per_device + k * cpu_threads_per_transfer)) of a core (a lane
+//     counts as cpu_threads_per_transfer threads, 1 unless measured): compute ops progress at s of their
 //     speed alone, and those lanes' device links (their copies in and out) carry s of their
 //     bandwidth; the NICs keep theirs (at 1 Gbit/s the cap, not the CPU, bounds a transfer). The
 //     kernel's TCP path and the emulated NICs are CPU work done beside the compute, not after it
