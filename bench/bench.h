@@ -103,6 +103,11 @@ int ep_training(const BenchOptions& opt);
 // 64 KiB .. 16 MiB, lambda 0.125 .. 1; under mpirun (-n 2, -n 4), rank 0 prints. Returns the exit code.
 int sparse_collectives(const BenchOptions& opt);
 
+// bench/transfer_cpu.cpp, under mpirun with one rank per host: the compute threads' worth of a host's
+// cores one transfer between hosts takes (the simulator's ClusterSpec::cpu_threads_per_transfer), from
+// a GEMM thread's rate alone and beside alltoallv rounds. Returns the exit code.
+int transfer_cpu(const BenchOptions& opt);
+
 // bench/cluster.cpp, on an emulated cluster (scripts/cluster.sh; needs root and network namespaces,
 // else says so and returns 1): alltoallv across 2 hosts x 1 rank alone and with a concurrent
 // allreduce on the same capped link (200 Mbit/s, 1 Gbit/s), next to the times the cap and max-min

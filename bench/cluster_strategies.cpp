@@ -177,6 +177,9 @@ int cluster_strategies(const BenchOptions& opt) {
   const std::string local = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none";
   std::vector<std::vector<std::string>> cal_runs(configs.size());  // "METRICS,TRACE" per round that ran
   std::vector<std::vector<double>> cal_step(configs.size());        // their step ms, in the same order
+  // Per configuration, measured before its rounds at its cap: the compute threads' worth of a host's
+  // cores one transfer between hosts takes (bench transfer-cpu), the simulator's cluster's figure.
+  std::vector<double> transfer_threads(configs.size(), 1.0);
 
   EmulatedCluster cluster(kCluster, configs[0].nic);
   if (!cluster.up()) {
@@ -189,6 +192,11 @@ int cluster_strategies(const BenchOptions& opt) {
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
     if (!cluster.shape(cf.nic)) return report.finish(1);
+    if (Status st = cluster.measure_transfer_cpu(3, &transfer_threads[c]); !st) {
+      std::fprintf(stderr, "bench cluster-strategies: %s: %s; the simulator counts a transfer as 1 thread\n",
+                   cf.name().c_str(), st.message().c_str());
+      transfer_threads[c] = 1;
+    }
     const std::string launch = cluster.command(str_cat("run --ranks-per-node ", cf.ranks_per_host, " --"));
     for (int r = 0; r < rounds; ++r) {
       const fs::path cal = dir / str_cat("cal_c", c, "_r", r);
@@ -222,6 +230,7 @@ int cluster_strategies(const BenchOptions& opt) {
       Status st = cal.empty() ? Status::error("no calibration run of this configuration's rounds ran")
                               : sim::calibrate(cal, ModelConfig{}, &fit, {cores, 1});
       if (st) st = sim::two_node_cluster(fit, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, out);
+      if (st) out->cpu_threads_per_transfer = transfer_threads[c];
       if (!st)
         std::fprintf(stderr, "bench cluster-strategies: %s: %s: %s, no prediction\n", cf.name().c_str(), which,
                      st.message().c_str());
@@ -322,6 +331,11 @@ int cluster_strategies(const BenchOptions& opt) {
                    opt.keep.c_str());
     }
   }
+  std::string measured_threads;
+  for (size_t c = 0; c < configs.size(); ++c)
+    measured_threads += str_cat(c ? ", " : "", configs[c].name(), " ", std::round(100 * transfer_threads[c]) / 100);
+  report.note("sim: a transfer between hosts counted as w compute threads, w measured at each configuration's cap "
+              "before its rounds (moe bench transfer-cpu, 3 rounds): " + measured_threads);
   size_t cal_done = 0;
   for (const auto& c : cal_runs) cal_done += c.size();
   report.note(str_cat("sim: the simulator's step graph time (compute + exposed comm) for the run's own loads, "

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <nlohmann/json.hpp>
+
 #include "util/shell.h"
 #include "util/str_cat.h"
 
@@ -57,5 +59,25 @@ std::string EmulatedCluster::command(const std::string& args) const {
 std::string EmulatedCluster::fabric_netns_path() const { return str_cat("/run/netns/", name_, "-head"); }
 
 std::string EmulatedCluster::host_address(int i) const { return str_cat(kSubnet, ".", i + 1); }
+
+Status EmulatedCluster::measure_transfer_cpu(int rounds, double* threads) const {
+  const ShellResult r = run_shell(command(str_cat("run --ranks-per-node 1 -- ", self_exe("moe"),
+                                                  " bench transfer-cpu --json --repeats ", rounds)));
+  // The child's JSON document: from its first line that opens one to the last '}' (launch lines
+  // before it, MPI's messages possibly after).
+  const size_t at = r.output.find("\n{"), end = r.output.rfind('}');
+  const nlohmann::json doc = at != std::string::npos && end != std::string::npos && end > at
+                                 ? nlohmann::json::parse(r.output.substr(at + 1, end - at), nullptr, false)
+                                 : nlohmann::json();
+  // tables[1] "result": one row, ["cpu threads per transfer w (median)", w]
+  if (r.exit_code == 0 && doc.is_object() && doc.contains("tables") && doc["tables"].size() == 2) {
+    const nlohmann::json& rows = doc["tables"][1]["rows"];
+    if (rows.size() == 1 && rows[0].size() == 2 && rows[0][1].is_number()) {
+      *threads = rows[0][1].get<double>();
+      return Status::ok();
+    }
+  }
+  return Status::error(str_cat("bench transfer-cpu on the emulated cluster failed (exit ", r.exit_code, "): ", r.output));
+}
 
 }  // namespace moe::bench

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "util/status.h"
+
 namespace moe::bench {
 
 // Frame bytes per TCP payload byte at MTU 1500 (Ethernet + IP + TCP with timestamps: 1514 / 1448): what
@@ -30,6 +32,10 @@ class EmulatedCluster {
   // where mpirun runs and from which every host is reachable, and host i's address on the fabric.
   std::string fabric_netns_path() const;
   std::string host_address(int i) const;
+  // `moe bench transfer-cpu` across the hosts at the current cap (1 rank each, `rounds` rounds): the
+  // compute threads' worth of a host's cores one transfer between hosts takes, the simulator's
+  // ClusterSpec::cpu_threads_per_transfer. An error, saying why, when the job failed.
+  Status measure_transfer_cpu(int rounds, double* threads) const;
 
  private:
   std::string name_;

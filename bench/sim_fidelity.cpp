@@ -198,6 +198,15 @@ int sim_fidelity(const BenchOptions& opt) {
   // run has ended.
   std::unique_ptr<EmulatedCluster> cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);  // up for the whole bench
   const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
+  // The compute threads' worth of a host's cores one transfer between its hosts takes, for the
+  // simulator's two-host cluster (bench transfer-cpu); 1 where it could not be measured.
+  double transfer_threads = 1;
+  if (cluster->up()) {
+    if (Status st = cluster->measure_transfer_cpu(3, &transfer_threads); !st) {
+      std::fprintf(stderr, "bench sim-fidelity: %s; the simulator counts a transfer as 1 thread\n", st.message().c_str());
+      transfer_threads = 1;
+    }
+  }
   const size_t n = cases.size();
   std::vector<std::string> cal_runs;
   std::vector<double> cal_ms, cal_spread;  // their measured step graph times and rank spreads
@@ -252,6 +261,9 @@ int sim_fidelity(const BenchOptions& opt) {
   std::snprintf(first, sizeof first, "the first of these runs alone: rate %.2f GFLOP/s, alpha %.1f us, bandwidth %.2f GB/s",
                 cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
   report.note(first);
+  if (no_hosts.empty())
+    report.note(str_cat("2 hosts: a transfer between them counted as ", std::round(100 * transfer_threads) / 100,
+                        " compute threads, measured at the cap before the runs (moe bench transfer-cpu, 3 rounds)"));
   std::string cal_all;
   for (size_t k = 0; k < cal_ms.size(); ++k) cal_all += run_cell(cal_ms[k], cal_spread[k]);
   report.note("the calibration runs measured" + cal_all + " ms (as \"measured\" below; in brackets the rank spread)");
@@ -263,7 +275,9 @@ int sim_fidelity(const BenchOptions& opt) {
       return Status::ok();
     }
     const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
-    return sim::two_node_cluster(from, c.ranks / 2, nic, out);
+    if (Status st = sim::two_node_cluster(from, c.ranks / 2, nic, out); !st) return st;
+    out->cpu_threads_per_transfer = transfer_threads;
+    return Status::ok();
   };
   std::vector<std::vector<double>> predicted(n), predicted1(n);
   for (size_t i = 0; i < n; ++i) {
