@@ -77,7 +77,8 @@ Status EmulatedCluster::measure_transfer_cpu(int rounds, double* threads) const 
       return Status::ok();
     }
   }
-  return Status::error(str_cat("bench transfer-cpu on the emulated cluster failed (exit ", r.exit_code, "): ", r.output));
+  return Status::error(
+      str_cat("bench transfer-cpu on the emulated cluster failed (exit ", r.exit_code, "): ", r.output));
 }
 
 }  // namespace moe::bench

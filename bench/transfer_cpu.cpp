@@ -75,7 +75,8 @@ int transfer_cpu(const BenchOptions& opt) {
                 kBlockBytes >> 20, " MiB per peer, ", P, " ranks; w = rate alone / rate beside - 1, mean over "
                 "ranks; median of ", opt.repeats, " rounds"),
         opt, /*uses_gemm=*/true);
-    if (P == 1) report->note("one rank moves no data: run it across hosts, e.g. `moe cluster run -- moe bench transfer-cpu`");
+    if (P == 1)
+      report->note("one rank moves no data: run it across hosts, e.g. `moe cluster run -- moe bench transfer-cpu`");
     report->table("rounds", {{"round", "", 0},
                              {"compute alone", "GEMM/s", 1},
                              {"compute beside the exchange", "GEMM/s", 1},
@@ -141,7 +142,8 @@ int transfer_cpu(const BenchOptions& opt) {
     stop = true;
     compute.join();
     const double t_both = seconds(x0, x1);
-    const auto in_window = std::count_if(ends.begin(), ends.end(), [&](Clock::time_point t) { return t > x0 && t <= x1; });
+    const auto in_window =
+        std::count_if(ends.begin(), ends.end(), [&](Clock::time_point t) { return t > x0 && t <= x1; });
     const double rate_during = static_cast<double>(in_window) / t_both;
 
     double mine[4] = {rate_alone, rate_during, t_alone, t_both};

@@ -7,12 +7,15 @@ namespace moe::cli {
 
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   CLI::App* c = app.add_subcommand("bench", "run a benchmark and print its table (see bench/README.md)");
-  c->add_option("name", f->name, "benchmark: moe-layer, decode, serve, collectives (under mpirun), ep-training, sparse-collectives (under mpirun), "
+  c->add_option("name", f->name,
+                "benchmark: moe-layer, decode, serve, collectives (under mpirun), ep-training, "
+                "sparse-collectives (under mpirun), "
                 "transfer-cpu (under mpirun, one rank per host), strategies, "
                 "cluster-collectives, cluster-ep-training, cluster-strategies, cluster-serve (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
                 "cuda (GPU kernels; needs a CUDA build and a GPU)")
       ->required()
-      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "collectives", "ep-training", "sparse-collectives", "transfer-cpu", "strategies",
+      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "collectives", "ep-training", "sparse-collectives",
+                             "transfer-cpu", "strategies",
                              "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "sim", "sim-fidelity",
                              "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
