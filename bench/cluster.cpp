@@ -199,10 +199,7 @@ int cluster_collectives(const BenchOptions& opt) {
     if (!cluster.shape(nic)) return report.finish(1);
     const std::string job = str_cat("run -- ", self_exe("moe"), " bench cluster-collectives --repeats ", opt.repeats);
     const ShellResult r = run_shell(cluster.command(job));
-    // The child's JSON document: the output from its first '{' (the launch lines come before it).
-    const size_t at = r.output.find("\n{");
-    const nlohmann::json doc =
-        nlohmann::json::parse(at == std::string::npos ? std::string() : r.output.substr(at + 1), nullptr, false);
+    const nlohmann::json doc = child_document(r.output);
     if (r.exit_code != 0 || !report.add_from(doc)) {
       std::fprintf(stderr, "moe bench cluster-collectives: cap %s: the job failed (exit %d):\n%s", nic, r.exit_code,
                    r.output.c_str());

@@ -195,7 +195,6 @@ int cluster_strategies(const BenchOptions& opt) {
     if (Status st = cluster.measure_transfer_cpu(3, &transfer_threads[c]); !st) {
       std::fprintf(stderr, "bench cluster-strategies: %s: %s; the simulator counts a transfer as 1 thread\n",
                    cf.name().c_str(), st.message().c_str());
-      transfer_threads[c] = 1;
     }
     const std::string launch = cluster.command(str_cat("run --ranks-per-node ", cf.ranks_per_host, " --"));
     for (int r = 0; r < rounds; ++r) {

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/report.h"
+
 #include "util/shell.h"
 #include "util/str_cat.h"
 
@@ -63,12 +65,7 @@ std::string EmulatedCluster::host_address(int i) const { return str_cat(kSubnet,
 Status EmulatedCluster::measure_transfer_cpu(int rounds, double* threads) const {
   const ShellResult r = run_shell(command(str_cat("run --ranks-per-node 1 -- ", self_exe("moe"),
                                                   " bench transfer-cpu --json --repeats ", rounds)));
-  // The child's JSON document: from its first line that opens one to the last '}' (launch lines
-  // before it, MPI's messages possibly after).
-  const size_t at = r.output.find("\n{"), end = r.output.rfind('}');
-  const nlohmann::json doc = at != std::string::npos && end != std::string::npos && end > at
-                                 ? nlohmann::json::parse(r.output.substr(at + 1, end - at), nullptr, false)
-                                 : nlohmann::json();
+  const nlohmann::json doc = child_document(r.output);
   // tables[1] "result": one row, ["cpu threads per transfer w (median)", w]
   if (r.exit_code == 0 && doc.is_object() && doc.contains("tables") && doc["tables"].size() == 2) {
     const nlohmann::json& rows = doc["tables"][1]["rows"];

@@ -34,7 +34,7 @@ class EmulatedCluster {
   std::string host_address(int i) const;
   // `moe bench transfer-cpu` across the hosts at the current cap (1 rank each, `rounds` rounds): the
   // compute threads' worth of a host's cores one transfer between hosts takes, the simulator's
-  // ClusterSpec::cpu_threads_per_transfer. An error, saying why, when the job failed.
+  // ClusterSpec::cpu_threads_per_transfer. An error, saying why, when the job failed (*threads kept).
   Status measure_transfer_cpu(int rounds, double* threads) const;
 
  private:

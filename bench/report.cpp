@@ -178,4 +178,11 @@ int Report::finish(int code) {
   return code;
 }
 
+nlohmann::json child_document(const std::string& output) {
+  const size_t at = output.find("\n{"), end = output.rfind('}');
+  if (at == std::string::npos || end == std::string::npos || end < at)
+    return nlohmann::json(nlohmann::json::value_t::discarded);
+  return nlohmann::json::parse(output.substr(at + 1, end - at), nullptr, false);
+}
+
 }  // namespace moe::bench

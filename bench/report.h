@@ -74,4 +74,9 @@ class Report {
   std::vector<int> widths_;
 };
 
+// The JSON document a child `moe bench ... --json` printed among other output (mpirun's launch lines
+// before it, MPI's messages possibly after): from its first line that opens with '{' to the last '}'.
+// A discarded value (is_discarded()) when there is none.
+nlohmann::json child_document(const std::string& output);
+
 }  // namespace moe::bench

@@ -205,7 +205,6 @@ int sim_fidelity(const BenchOptions& opt) {
     if (Status st = cluster->measure_transfer_cpu(3, &transfer_threads); !st) {
       std::fprintf(stderr, "bench sim-fidelity: %s; the simulator counts a transfer as 1 thread\n",
                    st.message().c_str());
-      transfer_threads = 1;
     }
   }
   const size_t n = cases.size();

@@ -6,7 +6,7 @@
 // counts a lane moving data between hosts as ClusterSpec::cpu_threads_per_transfer compute threads;
 // this measures that figure instead of assuming it. Each round, on every rank:
 //   compute alone    a thread runs the expert GEMM (default model's shape) back to back: rate_alone
-//   exchange alone   the main thread runs alltoallv rounds of --block bytes per peer through moe's
+//   exchange alone   the main thread runs alltoallv rounds of kBlockBytes per peer through moe's
 //                    communicator (waiting as the runtime's lanes do): t_alone
 //   both             the same exchange while the compute thread runs: t_both, and the GEMMs the thread
 //                    finished between the exchange's start and end: rate_during

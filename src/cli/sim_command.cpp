@@ -37,11 +37,11 @@ Status load_model(const std::string& path, ModelConfig* out) {
 
 // nodes: 0 for a preset's one node or a file's own count.
 Status load_cluster(const std::string& name_or_file, int nodes, sim::ClusterSpec* out) {
+  const int preset_nodes = nodes > 0 ? nodes : 1;
   for (const std::string& p : sim::preset_names())
-    if (p == name_or_file) return sim::preset_cluster(name_or_file, nodes > 0 ? nodes : 1, out);
+    if (p == name_or_file) return sim::preset_cluster(name_or_file, preset_nodes, out);
   if (name_or_file.find(".json") == std::string::npos && name_or_file.find('/') == std::string::npos) {
-    // the unknown-preset message lists the presets
-    return sim::preset_cluster(name_or_file, nodes > 0 ? nodes : 1, out);
+    return sim::preset_cluster(name_or_file, preset_nodes, out);  // the unknown-preset message lists the presets
   }
   if (Status s = sim::load_cluster_file(name_or_file, out); !s) return s;
   if (nodes > 0) out->nodes = nodes;
