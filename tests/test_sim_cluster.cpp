@@ -275,6 +275,21 @@ TEST(SimClusterJson, CpuCoresRoundTripAndStayOutOfAcceleratorClusters) {
   ASSERT_FALSE(negative);
   EXPECT_NE(negative.message().find("cpu_threads_per_transfer (-0.5) must be a finite number >= 0"), std::string::npos)
       << negative.message();
+  // A transfer's slowdown beside compute: 1 unless given, read back, finite and >= 1.
+  EXPECT_EQ(spec.to_json().at("cpu_transfer_slowdown"), 1.0);
+  spec.cpu_transfer_slowdown = 4.2;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(spec.to_json().dump()), &back));
+  EXPECT_EQ(back, spec);
+  no_key = spec.to_json();
+  no_key.erase("cpu_transfer_slowdown");
+  ASSERT_TRUE(ClusterSpec::from_json(no_key, &back));
+  EXPECT_EQ(back.cpu_transfer_slowdown, 1.0);
+  bad = spec.to_json();
+  bad["cpu_transfer_slowdown"] = 0.5;
+  const Status faster = ClusterSpec::from_json(bad, &back);
+  ASSERT_FALSE(faster);
+  EXPECT_NE(faster.message().find("cpu_transfer_slowdown (0.5) must be a finite number >= 1"), std::string::npos)
+      << faster.message();
 }
 
 // Per-kind speeds: written only when there are some, read back equal; a kind that is not a compute op

@@ -258,6 +258,29 @@ TEST(SimExecutor, ATransferBetweenHostsCountsAsItsMeasuredThreads) {
   EXPECT_NEAR(end_s(none, 0, 1), 1.0, kNs);
 }
 
+// Beside compute a transfer between hosts is slower than its thread's share says (measured by bench
+// transfer-cpu): cpu_transfer_slowdown X caps its lane at the NIC's bandwidth / X while compute runs in
+// its pool. The exchange above through 1 GB/s NICs, two pinned hosts of one core each, w = 1: rank 0
+// computes 0.5 s of work at 1 / (1 + 1) until 1 s. With X = 4 both directions move at 0.25 GB/s until
+// then (rank 0's links), the remaining 0.75 GB at the NIC's 1 GB/s: 1.75 s; with X = 1, 1 s.
+TEST(SimExecutor, ATransferBesideComputeRunsAtItsMeasuredSlowdown) {
+  ClusterSpec spec = two_nodes_one_nic(1e9);
+  spec.cpu_cores = 2;
+  spec.cpu_nodes_pinned = true;
+  const std::vector<StepGraph> g = exchange_beside_compute(0.5e14);
+  const StepResult plain = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(plain, 0, 0), 1.0, kNs);
+  EXPECT_NEAR(end_s(plain, 0, 1), 1.0, kNs);
+  spec.cpu_transfer_slowdown = 4;
+  const StepResult slowed = run(Cluster(spec), g);
+  EXPECT_NEAR(end_s(slowed, 0, 0), 1.0, kNs);  // the compute's share is the threads' as before
+  EXPECT_NEAR(end_s(slowed, 0, 1), 1.75, kNs);
+  EXPECT_NEAR(end_s(slowed, 1, 1), 1.75, kNs);
+  // No compute on either host: the exchange alone is not slowed.
+  std::vector<StepGraph> idle = exchange_beside_compute(0);
+  EXPECT_NEAR(end_s(run(Cluster(spec), idle), 0, 1), 1.0, kNs);
+}
+
 // Pinned nodes (ClusterSpec::cpu_nodes_pinned): each node's ranks share its own cores. A rank of 2
 // threads computing 1 s of work alone on two nodes of 2 cores in all: all the cores while the other
 // node idles; its node's one core when pinned.

@@ -339,6 +339,9 @@ Status ClusterSpec::validate() const {
   if (!std::isfinite(cpu_threads_per_transfer) || cpu_threads_per_transfer < 0)
     return cluster_error(str_cat("cpu_threads_per_transfer (", cpu_threads_per_transfer,
                                  ") must be a finite number >= 0"));
+  if (!std::isfinite(cpu_transfer_slowdown) || cpu_transfer_slowdown < 1)
+    return cluster_error(
+        str_cat("cpu_transfer_slowdown (", cpu_transfer_slowdown, ") must be a finite number >= 1"));
   if (cpu_nodes_pinned && cpu_cores < nodes)
     return cluster_error(str_cat("cpu_nodes_pinned needs a core for every node: cpu_cores (", cpu_cores, ") < nodes (",
                                  nodes, ")"));
@@ -396,6 +399,7 @@ nlohmann::json ClusterSpec::to_json() const {
     j["cpu_threads_per_device"] = cpu_threads_per_device;
     if (cpu_nodes_pinned) j["cpu_nodes_pinned"] = true;
     j["cpu_threads_per_transfer"] = cpu_threads_per_transfer;
+    j["cpu_transfer_slowdown"] = cpu_transfer_slowdown;
   }
   return j;
 }
@@ -460,6 +464,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
   top.integer("cpu_threads_per_device", &c.cpu_threads_per_device, /*required=*/false);
   top.boolean("cpu_nodes_pinned", &c.cpu_nodes_pinned, /*required=*/false);
   top.number("cpu_threads_per_transfer", &c.cpu_threads_per_transfer, /*required=*/false);
+  top.number("cpu_transfer_slowdown", &c.cpu_transfer_slowdown, /*required=*/false);
   top.finish();
   if (!st) return st;
   if (Status s = c.validate(); !s) return s;

@@ -101,6 +101,11 @@ struct ClusterSpec {
   // hosts takes while it runs (the kernel's TCP and shaping work, executor.h). 1 unless measured
   // (bench cluster-strategies measures it on the emulated cluster: docs/sim.md). >= 0, finite.
   double cpu_threads_per_transfer = 1;
+  // With cpu_cores > 0: how many times longer a transfer between hosts takes while a compute thread
+  // runs beside it on its host's cores than alone (the lane waits to be scheduled; bench transfer-cpu
+  // measures it). While compute runs in its pool such a lane moves at most the NIC's bandwidth over
+  // this (executor.h). 1 unless measured. >= 1, finite.
+  double cpu_transfer_slowdown = 1;
 
   // Every figure and index, and their combinations. The message names the field as the JSON spells
   // it, e.g. "cluster: node.device_switch[3] (7) must be in [0, 4)".

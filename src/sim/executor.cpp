@@ -240,23 +240,35 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     const int d = cfg_.device_of_rank[r], other = cfg_.device_of_rank[r == 0 ? 1 : 0];
     for (int l : {cluster_.route(d, other).front(), cluster_.route(other, d).back()}) rank_links[r].push_back(l);
   }
-  std::vector<double> link_share(rank_links.empty() ? 0 : cluster_.n_links(), 1.0);
-  auto set_link_share = [&](int l, double s) {
-    if (link_share[l] == s) return;
-    link_share[l] = s;
-    colls_.set_link_bandwidth(l, cluster_.links()[l].bandwidth * s);
+  std::vector<double> link_bandwidth;  // by link: what it carries now
+  if (!rank_links.empty())
+    for (const auto& link : cluster_.links()) link_bandwidth.push_back(link.bandwidth);
+  auto set_link_bandwidth = [&](int l, double bandwidth) {
+    if (link_bandwidth[l] == bandwidth) return;
+    link_bandwidth[l] = bandwidth;
+    colls_.set_link_bandwidth(l, bandwidth);
   };
+  // A lane between hosts while compute runs in its pool moves at most the NIC's bandwidth over the
+  // measured slowdown (ClusterSpec::cpu_transfer_slowdown).
+  const double slowdown = cpu_cores > 0 ? cluster_.spec().cpu_transfer_slowdown : 1.0;
+  const double nic_bandwidth = cluster_.spec().node.nic_port.bandwidth;
   auto update_links = [&]() {
     if (rank_links.empty()) return;
     // Lanes within a host get the cores of their pool that the threads above leave, at most one each.
     const std::vector<double> demand = demands();
-    std::vector<int> within(n_pools, 0);
+    std::vector<int> within(n_pools, 0), computing(n_pools, 0);
     for (int r = 0; r < R; ++r) within[pool_of[r]] += polling[r] > 0 && across[r] == 0;
+    for (const Sharing& x : sharing) ++computing[pool_of[x.rank]];
     for (int r = 0; r < R; ++r) {
       const int q = pool_of[r];
       const double within_share =
           within[q] > 0 ? std::min(1.0, std::max(0.0, pool_cores - demand[q]) / within[q]) : 1.0;
-      for (int l : rank_links[r]) set_link_share(l, across[r] > 0 ? share[q] : within_share);
+      for (int l : rank_links[r]) {
+        double bandwidth = cluster_.links()[l].bandwidth * (across[r] > 0 ? share[q] : within_share);
+        if (across[r] > 0 && computing[q] > 0 && slowdown > 1)
+          bandwidth = std::min(bandwidth, nic_bandwidth / slowdown);
+        set_link_bandwidth(l, bandwidth);
+      }
     }
   };
   // After the ops or lanes of a pool changed: new shares; the ends of the ops whose share changed
@@ -472,7 +484,8 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     take_member_ends();
   }
 
-  for (int l = 0; l < static_cast<int>(link_share.size()); ++l) set_link_share(l, 1.0);  // idle lanes between steps
+  for (int l = 0; l < static_cast<int>(link_bandwidth.size()); ++l)  // idle lanes between steps
+    set_link_bandwidth(l, cluster_.links()[l].bandwidth);
 
   // Results.
   StepResult& res = *out;

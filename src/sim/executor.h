@@ -19,7 +19,10 @@
 //     s = min(1, C / (n * cpu_threads_per_device + k * cpu_threads_per_transfer)) of a core (a lane
 //     counts as cpu_threads_per_transfer threads, 1 unless measured): compute ops progress at s of their
 //     speed alone, and those lanes' device links (their copies in and out) carry s of their
-//     bandwidth; the NICs keep theirs (at 1 Gbit/s the cap, not the CPU, bounds a transfer). The
+//     bandwidth; the NICs keep theirs (at 1 Gbit/s the cap, not the share, bounds a transfer alone). While
+//     a compute op runs in its pool such a lane moves at most the NIC's bandwidth over
+//     cpu_transfer_slowdown (1 unless measured): a transfer beside compute was measured 1.3-1.5x
+//     slower at 1 Gbit/s and about 4x at 10 Gbit/s, far more than its thread's share says. The
 //     kernel's TCP path and the emulated NICs are CPU work done beside the compute, not after it
 //     (measured: docs/sim.md, "Transfers between hosts are CPU work").
 //     Communication within a host takes no share from compute: the runtime's lanes poll with
