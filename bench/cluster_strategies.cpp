@@ -179,7 +179,7 @@ int cluster_strategies(const BenchOptions& opt) {
   std::vector<std::vector<double>> cal_step(configs.size());        // their step ms, in the same order
   // Per configuration, measured before its rounds at its cap: the compute threads' worth of a host's
   // cores one transfer between hosts takes (bench transfer-cpu), the simulator's cluster's figure.
-  std::vector<double> transfer_threads(configs.size(), 1.0);
+  std::vector<EmulatedCluster::TransferCpu> transfer_cpu(configs.size());
 
   EmulatedCluster cluster(kCluster, configs[0].nic);
   if (!cluster.up()) {
@@ -192,8 +192,8 @@ int cluster_strategies(const BenchOptions& opt) {
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
     if (!cluster.shape(cf.nic)) return report.finish(1);
-    if (Status st = cluster.measure_transfer_cpu(3, &transfer_threads[c]); !st) {
-      std::fprintf(stderr, "bench cluster-strategies: %s: %s; the simulator counts a transfer as 1 thread\n",
+    if (Status st = cluster.measure_transfer_cpu(3, &transfer_cpu[c]); !st) {
+      std::fprintf(stderr, "bench cluster-strategies: %s: %s; the simulator counts a transfer as 1 thread, not slowed\n",
                    cf.name().c_str(), st.message().c_str());
     }
     const std::string launch = cluster.command(str_cat("run --ranks-per-node ", cf.ranks_per_host, " --"));
@@ -229,7 +229,7 @@ int cluster_strategies(const BenchOptions& opt) {
       Status st = cal.empty() ? Status::error("no calibration run of this configuration's rounds ran")
                               : sim::calibrate(cal, ModelConfig{}, &fit, {cores, 1});
       if (st) st = sim::two_node_cluster(fit, cf.ranks_per_host, sim::LinkSpec{cf.nic_bits / 8 / kWireFactor, 0}, out);
-      if (st) out->cpu_threads_per_transfer = transfer_threads[c];
+      if (st) transfer_cpu[c].apply(out);
       if (!st)
         std::fprintf(stderr, "bench cluster-strategies: %s: %s: %s, no prediction\n", cf.name().c_str(), which,
                      st.message().c_str());
@@ -330,11 +330,13 @@ int cluster_strategies(const BenchOptions& opt) {
                    opt.keep.c_str());
     }
   }
-  std::string measured_threads;
+  std::string measured_transfers;
   for (size_t c = 0; c < configs.size(); ++c)
-    measured_threads += str_cat(c ? ", " : "", configs[c].name(), " ", std::round(100 * transfer_threads[c]) / 100);
-  report.note("sim: a transfer between hosts counted as w compute threads, w measured at each configuration's cap "
-              "before its rounds (moe bench transfer-cpu, 3 rounds): " + measured_threads);
+    measured_transfers += str_cat(c ? ", " : "", configs[c].name(), " ", std::round(100 * transfer_cpu[c].threads) / 100,
+                                  " / ", std::round(100 * transfer_cpu[c].slowdown) / 100);
+  report.note("sim: a transfer between hosts counted as w compute threads and slowed x times beside compute, w / x "
+              "measured at each configuration's cap before its rounds (moe bench transfer-cpu, 3 rounds): " +
+              measured_transfers);
   size_t cal_done = 0;
   for (const auto& c : cal_runs) cal_done += c.size();
   report.note(str_cat("sim: the simulator's step graph time (compute + exposed comm) for the run's own loads, "

@@ -62,15 +62,18 @@ std::string EmulatedCluster::fabric_netns_path() const { return str_cat("/run/ne
 
 std::string EmulatedCluster::host_address(int i) const { return str_cat(kSubnet, ".", i + 1); }
 
-Status EmulatedCluster::measure_transfer_cpu(int rounds, double* threads) const {
+Status EmulatedCluster::measure_transfer_cpu(int rounds, TransferCpu* out) const {
   const ShellResult r = run_shell(command(str_cat("run --ranks-per-node 1 -- ", self_exe("moe"),
                                                   " bench transfer-cpu --json --repeats ", rounds)));
   const nlohmann::json doc = child_document(r.output);
-  // tables[1] "result": one row, ["cpu threads per transfer w (median)", w]
+  // tables[1] "result": rows ["cpu threads per transfer w (median)", w] and
+  // ["exchange beside / alone (median)", slowdown]
   if (r.exit_code == 0 && doc.is_object() && doc.contains("tables") && doc["tables"].size() == 2) {
     const nlohmann::json& rows = doc["tables"][1]["rows"];
-    if (rows.size() == 1 && rows[0].size() == 2 && rows[0][1].is_number()) {
-      *threads = rows[0][1].get<double>();
+    auto figure = [&](size_t i) { return rows[i].size() == 2 && rows[i][1].is_number(); };
+    if (rows.size() == 2 && figure(0) && figure(1)) {
+      out->threads = rows[0][1].get<double>();
+      out->slowdown = std::max(1.0, rows[1][1].get<double>());
       return Status::ok();
     }
   }

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "sim/cluster.h"
 #include "util/status.h"
 
 namespace moe::bench {
@@ -32,10 +33,18 @@ class EmulatedCluster {
   // where mpirun runs and from which every host is reachable, and host i's address on the fabric.
   std::string fabric_netns_path() const;
   std::string host_address(int i) const;
-  // `moe bench transfer-cpu` across the hosts at the current cap (1 rank each, `rounds` rounds): the
-  // compute threads' worth of a host's cores one transfer between hosts takes, the simulator's
-  // ClusterSpec::cpu_threads_per_transfer. An error, saying why, when the job failed (*threads kept).
-  Status measure_transfer_cpu(int rounds, double* threads) const;
+  // What `moe bench transfer-cpu` measures across the hosts (medians), for the simulator's cluster.
+  struct TransferCpu {
+    double threads = 1;   // compute threads' worth of a host's cores one transfer takes (w)
+    double slowdown = 1;  // how many times longer a transfer takes beside a compute thread than alone
+    void apply(sim::ClusterSpec* spec) const {
+      spec->cpu_threads_per_transfer = threads;
+      spec->cpu_transfer_slowdown = slowdown;
+    }
+  };
+  // `moe bench transfer-cpu` across the hosts at the current cap (1 rank each, `rounds` rounds). An
+  // error, saying why, when the job failed (*out kept).
+  Status measure_transfer_cpu(int rounds, TransferCpu* out) const;
 
  private:
   std::string name_;

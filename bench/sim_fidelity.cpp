@@ -198,12 +198,12 @@ int sim_fidelity(const BenchOptions& opt) {
   // run has ended.
   std::unique_ptr<EmulatedCluster> cluster = std::make_unique<EmulatedCluster>(kCluster, kNic);  // up for the whole bench
   const std::string no_hosts = cluster->up() ? "" : first_line(cluster->why());
-  // The compute threads' worth of a host's cores one transfer between its hosts takes, for the
-  // simulator's two-host cluster (bench transfer-cpu); 1 where it could not be measured.
-  double transfer_threads = 1;
+  // What one transfer between its hosts takes from the compute and loses beside it, for the
+  // simulator's two-host cluster (bench transfer-cpu); 1 and 1 where it could not be measured.
+  EmulatedCluster::TransferCpu transfer_cpu;
   if (cluster->up()) {
-    if (Status st = cluster->measure_transfer_cpu(3, &transfer_threads); !st) {
-      std::fprintf(stderr, "bench sim-fidelity: %s; the simulator counts a transfer as 1 thread\n",
+    if (Status st = cluster->measure_transfer_cpu(3, &transfer_cpu); !st) {
+      std::fprintf(stderr, "bench sim-fidelity: %s; the simulator counts a transfer as 1 thread, not slowed\n",
                    st.message().c_str());
     }
   }
@@ -262,8 +262,10 @@ int sim_fidelity(const BenchOptions& opt) {
                 cal1.cluster.node.device.peak_flops * 1e-9, cal1.alpha * 1e6, cal1.bandwidth * 1e-9);
   report.note(first);
   if (no_hosts.empty())
-    report.note(str_cat("2 hosts: a transfer between them counted as ", std::round(100 * transfer_threads) / 100,
-                        " compute threads, measured at the cap before the runs (moe bench transfer-cpu, 3 rounds)"));
+    report.note(str_cat("2 hosts: a transfer between them counted as ", std::round(100 * transfer_cpu.threads) / 100,
+                        " compute threads and ", std::round(100 * transfer_cpu.slowdown) / 100,
+                        "x slower beside compute, measured at the cap before the runs (moe bench transfer-cpu, "
+                        "3 rounds)"));
   std::string cal_all;
   for (size_t k = 0; k < cal_ms.size(); ++k) cal_all += run_cell(cal_ms[k], cal_spread[k]);
   report.note("the calibration runs measured" + cal_all + " ms (as \"measured\" below; in brackets the rank spread)");
@@ -276,7 +278,7 @@ int sim_fidelity(const BenchOptions& opt) {
     }
     const sim::LinkSpec nic{kNicBits / 8 / kWireFactor, 0};
     if (Status st = sim::two_node_cluster(from, c.ranks / 2, nic, out); !st) return st;
-    out->cpu_threads_per_transfer = transfer_threads;
+    transfer_cpu.apply(out);
     return Status::ok();
   };
   std::vector<std::vector<double>> predicted(n), predicted1(n);

@@ -12,8 +12,9 @@
 //                    finished between the exchange's start and end: rate_during
 // share = rate_during / rate_alone is what processor sharing gives one compute thread beside w
 // transfer threads, 1 / (1 + w), so w = 1 / share - 1 (0 where share >= 1). The ranks' w are averaged
-// (they plan one cluster); the table shows every round and the median, which `moe bench
-// cluster-strategies` reads (--json) for its simulator's cluster.
+// (they plan one cluster). t_both / t_alone is how much slower the transfer runs beside the compute
+// (ClusterSpec::cpu_transfer_slowdown). The table shows every round and the medians, which `moe bench
+// cluster-strategies` and `sim-fidelity` read (--json) for their simulator's cluster.
 #include <omp.h>
 
 #include <algorithm>
@@ -111,7 +112,7 @@ int transfer_cpu(const BenchOptions& opt) {
     exchanges = std::max(1, static_cast<int>(kPhaseSeconds / worst[1]));
   }
 
-  std::vector<double> ws;
+  std::vector<double> ws, slowdowns;
   for (int round = 0; round < opt.repeats; ++round) {
     check(world->barrier());
     auto t0 = Clock::now();
@@ -153,6 +154,7 @@ int transfer_cpu(const BenchOptions& opt) {
     check(world->allreduce(&w, 1));
     w /= P;
     ws.push_back(w);
+    slowdowns.push_back(mine[3] / mine[2]);
     if (root)
       report->row({static_cast<int64_t>(round + 1), mine[0] / P, mine[1] / P, 1e3 * mine[2] / P, 1e3 * mine[3] / P,
                    mine[3] / mine[2], w});
@@ -160,8 +162,11 @@ int transfer_cpu(const BenchOptions& opt) {
   if (root) {
     report->table("result", {{"figure", "", 0, 36}, {"value", "x"}});
     report->row({std::string("cpu threads per transfer w (median)"), median(ws)});
+    report->row({std::string("exchange beside / alone (median)"), median(slowdowns)});
     report->note("w: what the simulator's executor counts a lane moving data between hosts as "
                  "(ClusterSpec::cpu_threads_per_transfer); 0 where the transfer took nothing from the compute");
+    report->note("exchange beside / alone: the simulator's ClusterSpec::cpu_transfer_slowdown (a lane between "
+                 "hosts moves at most the NIC's bandwidth over it while compute runs on its host)");
     return report->finish(0);
   }
   return 0;
