@@ -758,6 +758,16 @@ TEST(FlexMoe, ExpandsTheHotExpertIntoAReservedSlot) {
   EXPECT_TRUE(rejected.replanned);
   EXPECT_TRUE(rejected.moves.empty());
   expect_same(rejected.placement, even_placement(4, 2));
+
+  // On CPU ranks the replica's transfers cost every step: 40 ms saved against 30 ms a step still pays
+  // (10 ms x 50 steps > 10 ms); against 50 ms a step it does not.
+  FlexMoeConfig cpu = flex_config();
+  cpu.replica_step_seconds = 0.03;
+  EXPECT_EQ(flexmoe_plan(even_placement(4, 2), {100, 10, 10, 10}, 0, cpu).moves.size(), 1u);
+  cpu.replica_step_seconds = 0.05;
+  EXPECT_TRUE(flexmoe_plan(even_placement(4, 2), {100, 10, 10, 10}, 0, cpu).moves.empty());
+  cpu.replica_step_seconds = -1;
+  EXPECT_THROW(flexmoe_plan(even_placement(4, 2), {100, 10, 10, 10}, 0, cpu), std::logic_error);
 }
 
 TEST(FlexMoe, MigrateHandsOwnershipToTheRemainingReplica) {

@@ -216,6 +216,28 @@ TEST(StrategyDecisions, FlexMoeStartsFromTheOwnersAndKeepsItsPlacement) {
   EXPECT_GT(p->replicas[0].size(), 1u);
 }
 
+// On CPU ranks a FlexMoE replica is gathered and its gradients reduce-scattered every step on the
+// compute's cores: its first expand (expert 0 onto rank 1: rank loads 800 -> 550 tokens, S = 250
+// tokens' time saved a step) is priced at two transfers a step. With each transfer 3/4 S it does not
+// pay; on GPU ranks the same link pays (the move, 3 transfers of weights and moments, is 2.25 S once in
+// 50 steps).
+TEST(StrategyDecisions, FlexMoeOnCpuRanksPaysForEachReplicasTransfersEveryStep) {
+  strategy::Setup s = setup(4);
+  const LayerPlacement owners = moe::plan::even_placement(8, 4);
+  const double saved = 250 * s.cost.expert_seconds_per_token;
+  s.cost.bandwidth = static_cast<double>(s.cost.expert_bytes) / (0.75 * saved);
+  auto planned_by = [&](const strategy::Setup& with) {
+    auto f = make("flexmoe", with);
+    f->before_step(0, owners);
+    f->observe(skewed(2, 8), strategy::StepTimes{});
+    f->reshard(1, {owners, owners});
+    return f->before_step(0, owners).value();
+  };
+  EXPECT_GT(planned_by(s).replicas[0].size(), 1u);
+  s.cost.transfers_take_compute = true;
+  EXPECT_EQ(planned_by(s).replicas, owners.replicas);
+}
+
 }  // namespace
 
 namespace {

@@ -116,7 +116,8 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
   detail::require_loads(kWhere, load, E);
   if (E % R != 0) violated(kWhere, "the number of experts must be a multiple of the number of ranks");
   if (cfg.reserved_slots < 0 || !(cfg.balance_threshold >= 1) || cfg.replan_interval < 1 ||
-      !positive_finite(cfg.expert_seconds_per_token) || cfg.expert_state_bytes <= 0 || !positive_finite(cfg.bandwidth))
+      !positive_finite(cfg.expert_seconds_per_token) || cfg.expert_state_bytes <= 0 || !positive_finite(cfg.bandwidth) ||
+      !(cfg.replica_step_seconds >= 0) || !std::isfinite(cfg.replica_step_seconds))
     violated(kWhere, "invalid FlexMoeConfig");
   if (steps_since_replan < 0) violated(kWhere, "steps_since_replan must be non-negative");
   const int slots = E / R + cfg.reserved_slots;
@@ -173,7 +174,8 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
     moves.push_back({ReplicaMove::Kind::expand, hot, target, p.owner[hot]});
 
     const double saved = (max_of(rank_load) - max_of(flexmoe_rank_loads(next, load))) * cfg.expert_seconds_per_token;
-    if (!(saved * cfg.replan_interval > move_seconds)) break;
+    const double added = moves.size() == 1 ? cfg.replica_step_seconds : 0;  // an expand keeps one more replica
+    if (!((saved - added) * cfg.replan_interval > move_seconds)) break;
     if (moves.size() == 1) ++held[target];  // a migrate keeps the target's count
     p = std::move(next);
     plan.moves.insert(plan.moves.end(), moves.begin(), moves.end());

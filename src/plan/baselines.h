@@ -72,12 +72,16 @@ struct FlexMoeConfig {
   int reserved_slots = 1;          // R: slots per rank per layer beyond E / ranks (>= 0)
   double balance_threshold = 1.2;  // re-plan when rho exceeds it (>= 1); tuned per run (issue 5)
   int replan_interval = 50;        // K: re-plan at least every K steps (>= 1); also the horizon
-  // Cost model (all > 0 and finite): a move is accepted when
-  //   (max rank load before - after) * expert_seconds_per_token * replan_interval
-  //       > expert_state_bytes / bandwidth          (0 for a shrink alone)
+  // Cost model (all > 0 and finite but replica_step_seconds, >= 0): a move is accepted when
+  //   ((max rank load before - after) * expert_seconds_per_token - added * replica_step_seconds)
+  //       * replan_interval > expert_state_bytes / bandwidth
+  // where added is 1 for an expand that adds a replica and 0 for a migrate (one replica for another).
   double expert_seconds_per_token = 0;  // one token through one expert, forward + backward
   int64_t expert_state_bytes = 0;       // one expert's parameters + optimizer state
   double bandwidth = 0;                 // bytes/s of the copy
+  // What one more replica costs every step: its gathers and its gradients' reduce where they take the
+  // compute's cores (CPU ranks); 0 where they run beside it (GPUs).
+  double replica_step_seconds = 0;
 };
 
 struct ReplicaMove {

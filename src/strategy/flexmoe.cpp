@@ -24,6 +24,9 @@ class FlexMoe : public Strategy {
     config_.expert_seconds_per_token = c.expert_seconds_per_token;
     config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
     config_.bandwidth = c.bandwidth;
+    // Every step a replica is gathered before the gate and its gradients reduce-scattered to the owner.
+    config_.replica_step_seconds =
+        c.transfers_take_compute ? 2.0 * static_cast<double>(c.expert_bytes) / c.bandwidth : 0;
   }
   const char* name() const override { return "flexmoe"; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_before_gate = true; }
