@@ -31,6 +31,7 @@ readonly SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly AGENT="$SCRIPT_DIR/cluster/rsh-agent.sh"
 
 die() { echo "moe cluster: $*" >&2; exit 1; }
+bad_usage() { echo "moe cluster: $*" >&2; exit 2; }  # a bad argument exits 2, as moe's other commands
 note() { echo "moe cluster: $*"; }
 
 usage() {
@@ -61,17 +62,17 @@ while (($#)); do
     --mtu) mtu=${2:?}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; cmd=("$@"); break ;;
-    -*) die "unknown option '$1' (see --help)" ;;
+    -*) bad_usage "unknown option '$1' (see --help)" ;;
     *)
       if [[ -z $verb ]]; then verb=$1
       elif [[ -z $node_arg ]]; then node_arg=$1
-      else die "unexpected argument '$1' (a command to run goes after --)"; fi
+      else bad_usage "unexpected argument '$1' (a command to run goes after --)"; fi
       shift ;;
   esac
 done
-[[ -n $verb ]] || { usage; exit 1; }
+[[ -n $verb ]] || { usage; exit 2; }
 # Short names: namespaces are NAME-head / NAME-nI, and every name stays a valid hostname.
-[[ $name =~ ^[a-z][a-z0-9]{0,11}$ ]] || die "--name '$name': use 1-12 lower-case letters or digits, starting with a letter"
+[[ $name =~ ^[a-z][a-z0-9]{0,11}$ ]] || bad_usage "--name '$name': use 1-12 lower-case letters or digits, starting with a letter"
 
 readonly STATE_DIR="$STATE_ROOT/$name"
 readonly STATE="$STATE_DIR/state"
@@ -437,5 +438,5 @@ case "$verb" in
   kill) do_kill ;;
   run) do_run ;;
   help) usage ;;
-  *) die "unknown command '$verb' (check, up, down, status, shape, run, cut, heal, kill)" ;;
+  *) bad_usage "unknown command '$verb' (check, up, down, status, shape, run, cut, heal, kill)" ;;
 esac

@@ -95,6 +95,19 @@ TEST_F(CliTest, Bf16OnTheCpuRejected) {
   expect_rejected(tiny() + "--dtype fp16 --device cuda", "dtype 'fp16' is not one of f32, bf16");
 }
 
+// One exit status for every bad flag: 2, as a bad configuration (a failure while running exits 1),
+// whether CLI11 or the command found it; --help exits 0.
+TEST_F(CliTest, EveryBadFlagExits2) {
+  for (const std::string args : {"train --nosuchflag", "train --steps -1", "bench nosuch", "report --nosuch",
+                                 "generate", "serve --nosuch", "sim --cluster nowhere", "sim --cluster p4d.24xlarge --steps 0",
+                                 "cluster nosuch", "cluster up --bogus", "nosuchcommand"}) {
+    const Result r = run_moe(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_FALSE(r.output.empty()) << args << ": no message";
+  }
+  EXPECT_EQ(run_moe("train --help").exit_code, 0);
+}
+
 TEST_F(CliTest, MissingConfigFile) { expect_rejected(tiny() + "--config /nonexistent/c.json", "cannot open"); }
 
 TEST_F(CliTest, MissingData) { expect_rejected(tiny() + "--data /nonexistent/corpus", "/nonexistent/corpus"); }

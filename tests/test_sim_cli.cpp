@@ -92,7 +92,7 @@ TEST_F(SimCli, AClusterFileKeepsItsNodesUnlessTold) {
   }
 }
 
-TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {
+TEST_F(SimCli, BadInputGetsOneClearErrorAndExit2) {
   const std::string moe = MOE_BIN;
   struct Case {
     std::string args, message;
@@ -112,7 +112,7 @@ TEST_F(SimCli, BadInputGetsOneClearErrorAndExit1) {
   };
   for (const Case& c : cases) {
     const ShellResult r = run(moe + " " + c.args);
-    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_EQ(r.output.find("step time"), std::string::npos) << c.args;
   }

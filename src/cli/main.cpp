@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Every bad flag or configuration exits 2 (a failure while running exits 1); --help exits 0.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     if (train_cmd->parsed()) return moe::cli::run_train(*train_cmd, train);

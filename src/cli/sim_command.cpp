@@ -203,15 +203,18 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
 }
 
 int run_sim(const SimFlags& f) {
-  auto fail = [](const std::string& m) {
+  // Flags and configuration rejected: exit 2, as every command's; a failure while working: 1.
+  auto say = [](const std::string& m, int code) {
     std::fprintf(stderr, "moe sim: %s\n", m.c_str());
-    return 1;
+    return code;
   };
+  auto rejected = [&](const std::string& m) { return say(m, 2); };
+  auto fail = [&](const std::string& m) { return say(m, 1); };
   if (!f.calibrate.empty()) {
-    if (f.out.empty()) return fail("--calibrate needs --out FILE (the cluster file to write)");
+    if (f.out.empty()) return rejected("--calibrate needs --out FILE (the cluster file to write)");
     ModelConfig model;
     if (!f.model.empty())
-      if (Status s = load_model(f.model, &model); !s) return fail(s.message());
+      if (Status s = load_model(f.model, &model); !s) return rejected(s.message());
     sim::CalibrationResult cal;
     sim::CalibrationMachine machine;
     machine.cpu_cores = f.cpu_cores >= 0 ? f.cpu_cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -222,18 +225,18 @@ int run_sim(const SimFlags& f) {
     std::printf("cluster written to %s (use --cluster %s)\n", f.out.c_str(), f.out.c_str());
     return 0;
   }
-  if (f.cluster.empty()) return fail("--cluster PRESET|FILE is required");
+  if (f.cluster.empty()) return rejected("--cluster PRESET|FILE is required");
   sim::SimRunConfig cfg;
-  if (Status s = load_cluster(f.cluster, f.nodes, &cfg.cluster); !s) return fail(s.message());
+  if (Status s = load_cluster(f.cluster, f.nodes, &cfg.cluster); !s) return rejected(s.message());
   if (!f.model.empty())
-    if (Status s = load_model(f.model, &cfg.model); !s) return fail(s.message());
+    if (Status s = load_model(f.model, &cfg.model); !s) return rejected(s.message());
   cfg.strategy = f.strategy;
-  if (Status s = sim::LoadSpec::parse(f.load, &cfg.load); !s) return fail(s.message());
+  if (Status s = sim::LoadSpec::parse(f.load, &cfg.load); !s) return rejected(s.message());
   cfg.steps = f.steps;
   cfg.ranks = f.ranks;
   cfg.ep_size = f.ep_size;
-  if (f.ranks < 0 || f.ep_size < 0) return fail("--ranks and --ep-size must be >= 0");
-  if (f.allreduce_micro_kb < 0) return fail("--allreduce-micro-kb must be >= 0");
+  if (f.ranks < 0 || f.ep_size < 0) return rejected("--ranks and --ep-size must be >= 0");
+  if (f.allreduce_micro_kb < 0) return rejected("--allreduce-micro-kb must be >= 0");
   cfg.allreduce_micro_bytes = f.allreduce_micro_kb * 1024;
   cfg.aggregate = f.aggregate == "on"    ? sim::SimRunConfig::Aggregate::on
                   : f.aggregate == "off" ? sim::SimRunConfig::Aggregate::off
@@ -243,12 +246,12 @@ int run_sim(const SimFlags& f) {
   cfg.placement = f.placement;
   // The default batch: 4 sequences per rank.
   cfg.batch = f.batch != 0 ? f.batch : 4LL * (f.ranks > 0 ? f.ranks : cfg.cluster.nodes * cfg.cluster.node.devices);
-  if (Status s = sim::resolve(&cfg); !s) return fail(s.message());
+  if (Status s = sim::resolve(&cfg); !s) return rejected(s.message());
   // A recorded load must fit the model before any work.
   {
     sim::Load probe;
     if (Status s = sim::Load::make(cfg.load, cfg.model, cfg.ranks, cfg.batch / cfg.ranks * cfg.model.seq_len, &probe); !s)
-      return fail(s.message());
+      return rejected(s.message());
   }
   sim::SimRunResult res;
   if (Status s = sim::simulate(cfg, &res); !s) return fail(s.message());
