@@ -221,6 +221,16 @@ TEST(StrategyDecisions, FlexMoeStartsFromTheOwnersAndKeepsItsPlacement) {
 // tokens' time saved a step) is priced at two transfers a step. With each transfer 3/4 S it does not
 // pay; on GPU ranks the same link pays (the move, 3 transfers of weights and moments, is 2.25 S once in
 // 50 steps).
+// FlexMoE's planner balances L_e / r_e, an even split over an expert's replicas, so its tokens are
+// dispatched that way; the others send a token to the nearest holder (Hecate's rule).
+TEST(StrategyDecisions, FlexMoeSplitsAnExpertsTokensEvenlyOverItsReplicas) {
+  for (const strategy::Registration& r : strategy::registry())
+    EXPECT_EQ(make(r.name, setup(4))->dispatch_rule(), std::string(r.name) == "flexmoe"
+                                                           ? moe::plan::DispatchRule::even
+                                                           : moe::plan::DispatchRule::nearest)
+        << r.name;
+}
+
 TEST(StrategyDecisions, FlexMoeOnCpuRanksPaysForEachReplicasTransfersEveryStep) {
   strategy::Setup s = setup(4);
   const LayerPlacement owners = moe::plan::even_placement(8, 4);

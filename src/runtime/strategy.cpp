@@ -55,6 +55,7 @@ void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator
     if (MoeLayer* m = model.moe_layer(l); m && m->placements_enabled()) {
       index_of_block_[l] = static_cast<int>(layers_.size());
       layers_.push_back(m);
+      m->set_dispatch_rule(impl_->dispatch_rule());
     }
 }
 

@@ -90,7 +90,8 @@ class PlacementStrategy : public SimStrategy {
       plan::LayerPlacement placed = planned;
       impl_->after_gate(layer, owners, planned, counts, &placed);
       for (const std::vector<int>& r : placed.replicas) stats_.replicas += static_cast<int64_t>(r.size()) - 1;
-      layers.push_back(layer_step_placement(m, opt_, owners, std::move(planned), std::move(placed), nodes_, counts));
+      layers.push_back(layer_step_placement(m, opt_, owners, std::move(planned), std::move(placed), nodes_, counts,
+                                            impl_->dispatch_rule()));
     }
     stats_.calibrations = impl_->take_calibrations();
     stats_.overlap_degree = impl_->overlap_degree();
@@ -136,13 +137,13 @@ class PlacementStrategy : public SimStrategy {
 LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpStepOptions& opt,
                                         plan::LayerPlacement owners_now, plan::LayerPlacement planned,
                                         plan::LayerPlacement placed, const plan::Nodes& nodes,
-                                        const std::vector<std::vector<int64_t>>& counts) {
+                                        const std::vector<std::vector<int64_t>>& counts, plan::DispatchRule rule) {
   const int W = weight_mats(cfg), R = opt.world;
   LayerStepPlacement l;
   l.owners = std::move(owners_now);
   l.planned = std::move(planned);
   l.placed = std::move(placed);
-  l.rows = plan::dispatch_plan(l.placed, nodes, counts);
+  l.rows = plan::dispatch_plan(l.placed, nodes, counts, rule);
   l.chunk_bytes = cfg.d_ffn * cfg.d_model * static_cast<int64_t>(sizeof(float));
   const comm::Placement owners = chunk_placement(l.owners.replicas, W);
   const comm::Placement planned_c = chunk_placement(l.planned.replicas, W);

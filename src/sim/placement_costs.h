@@ -54,13 +54,14 @@ struct LayerStepPlacement {
 };
 
 // The above from the shards' owners now (even_placement(E, R) until a strategy re-shards) and the two
-// placements. counts [R][E]. REQUIRES: owners, planned and placed valid over R = opt.world ranks,
+// placements, the tokens dispatched under `rule` (the strategy's, as the runtime's MoeLayer). counts [R][E]. REQUIRES: owners, planned and placed valid over R = opt.world ranks,
 // planned and placed holding every owner's shard, placed's replicas ⊇ planned's, nodes of R ranks,
 // counts [R][E] non-negative (std::logic_error from the planners otherwise).
 LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpStepOptions& opt,
                                         plan::LayerPlacement owners, plan::LayerPlacement planned,
                                         plan::LayerPlacement placed, const plan::Nodes& nodes,
-                                        const std::vector<std::vector<int64_t>>& counts);
+                                        const std::vector<std::vector<int64_t>>& counts,
+                                        plan::DispatchRule rule = plan::DispatchRule::nearest);
 
 // Writes into `g` (a graph of a strategy's step for opt for rank `rank`, opt with ep_size == world)
 // the sizes the runtime records, from layers[i] for MoE layer i (a chunked dispatch and its

@@ -1,6 +1,8 @@
 // flexmoe: FlexMoE's replicas, reconstructed (plan::flexmoe_plan): a persistent placement per layer,
 // gathered before each gate, re-planned when the ranks' load balance exceeds 1.2 or every
 // reshard_every steps (50 when unset), within replica_slots reserved slots (1 when unset).
+// An expert's tokens are split evenly over its replicas (plan::DispatchRule::even), the split its
+// balance ratio assumes.
 // Deviation from FlexMoE: it keeps optimizer state in every replica and all-reduces replica
 // gradients; here the owner keeps it, replica gradients are summed into it (SparseReduceScatter) and
 // the updated weights gathered again before the next forward (SparseAllGather): the same bytes per
@@ -29,6 +31,8 @@ class FlexMoe : public Strategy {
         c.transfers_take_compute ? 2.0 * static_cast<double>(c.expert_bytes) / c.bandwidth : 0;
   }
   const char* name() const override { return "flexmoe"; }
+  // FlexMoE splits an expert's tokens evenly over its replicas (L_e / r_e in flexmoe_plan's balance).
+  plan::DispatchRule dispatch_rule() const override { return plan::DispatchRule::even; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_before_gate = true; }
   // The persistent placement, first the owners' own.
   std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners) override {

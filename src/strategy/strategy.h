@@ -93,6 +93,10 @@ class Strategy {
   virtual const char* name() const = 0;
   // False for ep alone: no placements, no replicas, the layer's static shards.
   virtual bool uses_placements() const { return true; }
+  // How the tokens routed to an expert are spread over the ranks holding it (plan::DispatchRule), in
+  // the trainer and the simulator alike: Hecate's nearest replica by default; a strategy whose planner
+  // prices an even split over an expert's holders says even.
+  virtual plan::DispatchRule dispatch_rule() const { return plan::DispatchRule::nearest; }
   // The expert-parallel group size over `world` ranks. Default: strategies that place no experts use
   // the largest group that divides both the experts and the ranks (the other ranks hold data-parallel
   // copies); placement strategies one group of every rank, an error when n_experts is not a multiple
