@@ -72,7 +72,8 @@ while (($#)); do
 done
 [[ -n $verb ]] || { usage; exit 2; }
 # Short names: namespaces are NAME-head / NAME-nI, and every name stays a valid hostname.
-[[ $name =~ ^[a-z][a-z0-9]{0,11}$ ]] || bad_usage "--name '$name': use 1-12 lower-case letters or digits, starting with a letter"
+[[ $name =~ ^[a-z][a-z0-9]{0,11}$ ]] ||
+  bad_usage "--name '$name': use 1-12 lower-case letters or digits, starting with a letter"
 
 readonly STATE_DIR="$STATE_ROOT/$name"
 readonly STATE="$STATE_DIR/state"

@@ -98,9 +98,10 @@ TEST_F(CliTest, Bf16OnTheCpuRejected) {
 // One exit status for every bad flag: 2, as a bad configuration (a failure while running exits 1),
 // whether CLI11 or the command found it; --help exits 0.
 TEST_F(CliTest, EveryBadFlagExits2) {
-  for (const std::string args : {"train --nosuchflag", "train --steps -1", "bench nosuch", "report --nosuch",
-                                 "generate", "serve --nosuch", "sim --cluster nowhere", "sim --cluster p4d.24xlarge --steps 0",
-                                 "cluster nosuch", "cluster up --bogus", "nosuchcommand"}) {
+  for (const std::string args :
+       {"train --nosuchflag", "train --steps -1", "bench nosuch", "report --nosuch", "generate", "serve --nosuch",
+        "sim --cluster nowhere", "sim --cluster p4d.24xlarge --steps 0", "cluster nosuch", "cluster up --bogus",
+        "nosuchcommand"}) {
     const Result r = run_moe(args);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     EXPECT_FALSE(r.output.empty()) << args << ": no message";

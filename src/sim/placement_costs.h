@@ -54,9 +54,10 @@ struct LayerStepPlacement {
 };
 
 // The above from the shards' owners now (even_placement(E, R) until a strategy re-shards) and the two
-// placements, the tokens dispatched under `rule` (the strategy's, as the runtime's MoeLayer). counts [R][E]. REQUIRES: owners, planned and placed valid over R = opt.world ranks,
-// planned and placed holding every owner's shard, placed's replicas ⊇ planned's, nodes of R ranks,
-// counts [R][E] non-negative (std::logic_error from the planners otherwise).
+// placements, the tokens dispatched under `rule` (the strategy's, as the runtime's MoeLayer). counts
+// [R][E]. REQUIRES: owners, planned and placed valid over R = opt.world ranks, planned and placed
+// holding every owner's shard, placed's replicas ⊇ planned's, nodes of R ranks, counts [R][E]
+// non-negative (std::logic_error from the planners otherwise).
 LayerStepPlacement layer_step_placement(const ModelConfig& cfg, const graph::EpStepOptions& opt,
                                         plan::LayerPlacement owners, plan::LayerPlacement planned,
                                         plan::LayerPlacement placed, const plan::Nodes& nodes,
