@@ -177,8 +177,9 @@ int cluster_strategies(const BenchOptions& opt) {
   const std::string local = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -n 2 --bind-to none";
   std::vector<std::vector<std::string>> cal_runs(configs.size());  // "METRICS,TRACE" per round that ran
   std::vector<std::vector<double>> cal_step(configs.size());        // their step ms, in the same order
-  // Per configuration, measured before its rounds at its cap: the compute threads' worth of a host's
-  // cores one transfer between hosts takes (bench transfer-cpu), the simulator's cluster's figure.
+  // Per configuration, measured before its rounds at its cap (bench transfer-cpu): the compute threads'
+  // worth of a host's cores one transfer between hosts takes and its slowdown beside compute, the
+  // simulator's cluster's figures.
   std::vector<EmulatedCluster::TransferCpu> transfer_cpu(configs.size());
 
   EmulatedCluster cluster(kCluster, configs[0].nic);
