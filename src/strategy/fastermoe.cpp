@@ -18,7 +18,8 @@ class FasterMoe : public Strategy {
   void update_cost(const CostModel& c) override {
     model_.bandwidth = c.bandwidth;
     model_.gemm_flops = c.gemm_flops;
-    model_.transfers_per_shadow = c.transfers_take_compute ? 2 : 1;  // the broadcast and the gradients' reduce
+    // On CPU ranks the shadow's broadcast and its gradients' reduce.
+    model_.transfers_per_shadow = c.transfers_take_compute ? replica_transfers_per_step(false) : 1;
   }
   const char* name() const override { return "fastermoe"; }
   void configure(graph::EpStepOptions* opt) const override { opt->gather_after_gate = true; }

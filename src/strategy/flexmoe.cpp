@@ -27,8 +27,9 @@ class FlexMoe : public Strategy {
     config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
     config_.bandwidth = c.bandwidth;
     // Every step a replica is gathered before the gate and its gradients reduce-scattered to the owner.
-    config_.replica_step_seconds =
-        c.transfers_take_compute ? 2.0 * static_cast<double>(c.expert_bytes) / c.bandwidth : 0;
+    config_.replica_step_seconds = c.transfers_take_compute ? replica_transfers_per_step(false) *
+                                                                  static_cast<double>(c.expert_bytes) / c.bandwidth
+                                                            : 0;
   }
   const char* name() const override { return "flexmoe"; }
   // FlexMoE splits an expert's tokens evenly over its replicas (L_e / r_e in flexmoe_plan's balance).

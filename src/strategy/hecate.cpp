@@ -84,7 +84,7 @@ class Hecate : public Strategy {
   // a replica takes the compute's cores: the gather, the gradient's reduce-scatter and, with
   // rematerialization, the backward's second gather.
   plan::CalibrationModel calibration_model() const {
-    const int transfers = s_.cost.transfers_take_compute ? (s_.options.rematerialize ? 3 : 2) : 1;
+    const int transfers = s_.cost.transfers_take_compute ? replica_transfers_per_step(s_.options.rematerialize) : 1;
     return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers};
   }
 

@@ -51,6 +51,11 @@ struct CostModel {
   int64_t expert_bytes = 0;             // one expert's weights (2 matrices, 3 with SwiGLU, f32)
   double expert_seconds_per_token = 0;  // one token through one expert, forward and backward
 };
+// Transfers of one replica's weights every step where they take the compute's cores
+// (CostModel::transfers_take_compute): its gather, its gradients' reduce back to the owner and, with
+// rematerialization, the backward's second gather. Every planner that prices replicas on CPU ranks
+// charges this many.
+inline int replica_transfers_per_step(bool rematerialize) { return rematerialize ? 3 : 2; }
 // The cost model of `model`'s experts at these rates; overlap_bandwidth = bandwidth, no links.
 // REQUIRES: gemm_flops > 0.
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops);
