@@ -34,6 +34,7 @@ namespace moe::runtime {
 namespace {
 
 using graph::Op;
+using graph::Collective;
 using graph::OpKind;
 using graph::StepGraph;
 using json = nlohmann::json;
@@ -517,6 +518,32 @@ TEST(Breakdown, MatchesAHandComputedTimeline) {
 
   t.spans.pop_back();
   EXPECT_THROW(breakdown(g, t), std::logic_error);
+}
+
+// The weights a rank sent in the step's sparse collectives and the time of the ops that sent them:
+// an op that only received (0 bytes sent), another collective and an op that never ran are left out.
+TEST(WeightTransfers, SumsTheSparseOpsThatSentWeights) {
+  StepGraph g;
+  const int gather = g.add_stream("gather", true);
+  auto sparse = [&](OpKind kind, Collective c, int64_t bytes) {
+    Op op;
+    op.kind = kind;
+    op.stream = gather;
+    op.collective = c;
+    op.cost.bytes = bytes;
+    g.add(op);
+  };
+  sparse(OpKind::materialize, Collective::sparse_allgather, 3000000);
+  sparse(OpKind::materialize_placed, Collective::sparse_allgather, 0);  // only received
+  sparse(OpKind::replica_grad_reduce, Collective::sparse_reduce_scatter, 1000000);
+  sparse(OpKind::grad_allreduce, Collective::allreduce, 5000000);
+  sparse(OpKind::materialize, Collective::sparse_allgather, 7000000);  // never ran
+  constexpr int64_t kMsNs = 1000000;
+  StepTimeline t;
+  t.spans = {{0, 2 * kMsNs}, {2 * kMsNs, 9 * kMsNs}, {10 * kMsNs, 12 * kMsNs}, {0, 50 * kMsNs}, {-1, -1}};
+  const WeightTransfers w = weight_transfers(g, t);
+  EXPECT_DOUBLE_EQ(w.bytes, 4e6);
+  EXPECT_DOUBLE_EQ(w.seconds, 4e-3);
 }
 
 TEST(Trace, RecordsRoundTripAndAFailedWriteLeavesNothing) {

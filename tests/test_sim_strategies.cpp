@@ -298,6 +298,39 @@ TEST(SimStrategies, HecateReshardsWithAlg2EveryNSteps) {
   for (const auto& s : r.steps) EXPECT_EQ(s.placement.experts_moved, 0) << "0: never";
 }
 
+// As the trainer's: the planners start from the cluster's weights bandwidth and, after each step,
+// move half-way to the rate that step's sparse collectives achieved (bytes sent over the time of the
+// ops that sent them, all ranks; summed here from the trace); --link-gbs keeps it.
+TEST(SimStrategies, WeightsBandwidthFollowsTheSimulatedTransfers) {
+  SimRunConfig cfg = run_config("hecate", "zipf:1.2");
+  cfg.placement.overlap_degree = 4;
+  cfg.keep_trace = true;
+  SimRunResult r;
+  ASSERT_TRUE(simulate(cfg, &r));
+  EXPECT_DOUBLE_EQ(r.steps[0].placement.weights_gbs, placement_bandwidth(Cluster(cfg.cluster)) / 1e9);
+  int moved = 0;
+  for (size_t s = 0; s + 1 < r.steps.size(); ++s) {
+    double bytes = 0, seconds = 0;
+    for (const runtime::TraceRecord& rec : r.trace) {
+      const graph::Op& op = r.graph.ops.at(rec.op);
+      if (rec.step != static_cast<int64_t>(s) + 1 || rec.bytes <= 0 ||
+          (op.collective != graph::Collective::sparse_allgather &&
+           op.collective != graph::Collective::sparse_reduce_scatter))
+        continue;
+      bytes += static_cast<double>(rec.bytes);
+      seconds += 1e-9 * static_cast<double>(rec.end_ns - rec.start_ns);
+    }
+    const double before = r.steps[s].placement.weights_gbs;
+    const double expected = bytes > 0 ? 0.5 * before + 0.5 * bytes / seconds / 1e9 : before;
+    EXPECT_NEAR(r.steps[s + 1].placement.weights_gbs, expected, 1e-6 * expected) << "after step " << s + 1;
+    moved += bytes > 0;
+  }
+  EXPECT_GT(moved, 0) << "no step moved weights: nothing was checked";
+  cfg.placement.link_gbs = 3;
+  ASSERT_TRUE(simulate(cfg, &r));
+  for (const auto& s : r.steps) EXPECT_EQ(s.placement.weights_gbs, 3);
+}
+
 std::string trace_text(const SimRunResult& r) {
   const std::string path = ::testing::TempDir() + "sim_strategies_trace.json";
   EXPECT_TRUE(runtime::write_chrome_trace(path, r.graph, r.trace, r.ranks));

@@ -295,4 +295,28 @@ TEST(RuntimeStrategy, LinksFollowRemeasurementsUnlessGiven) {
   EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 6e9);
 }
 
+// The weights bandwidth follows what the steps' own sparse collectives achieved: half-way to each
+// step's rate; a step that moved nothing, or --link-gbs, leaves it.
+TEST(RuntimeStrategy, WeightsBandwidthFollowsTheStepsTransfersUnlessGiven) {
+  moe::TrainConfig cfg;
+  cfg.strategy = "hecate";
+  cfg.link_gbs = 2;
+  moe::runtime::Strategy given(cfg);
+  given.refresh_weights_rate(1e6, 0.01);
+  EXPECT_EQ(given.cost_model().bandwidth, 2e9);
+  cfg.link_gbs = 0;
+  moe::runtime::Strategy measured(cfg);
+  measured.refresh_links({1e-5, 8e9}, {});
+  measured.refresh_weights_rate(4e6, 0.002);  // 2 GB/s: half-way from 8
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 5e9);
+  EXPECT_DOUBLE_EQ(measured.cost_model().intra_node.bandwidth, 8e9);  // the links are kept
+  EXPECT_DOUBLE_EQ(measured.cost_model().network_bandwidth, 8e9);
+  measured.refresh_weights_rate(0, 0);  // nothing moved
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 5e9);
+  measured.refresh_weights_rate(1e6, 0.001);  // 1 GB/s
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 3e9);
+  measured.refresh_links({1e-5, 8e9}, {});  // a link refresh starts over from the links
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 8e9);
+}
+
 }  // namespace

@@ -145,6 +145,7 @@ Status write_metrics(const std::string& path, const sim::SimRunConfig& cfg, cons
                 {"calibrations", s.placement.calibrations},
                 {"experts_moved", s.placement.experts_moved},
                 {"overlap_degree", s.placement.overlap_degree},
+                {"weights_gbs", s.placement.weights_gbs},  // the trainer's cost_model.weights_gbs; 0 without placements
                 {"sparse_bytes", s.sparse_bytes},
                 {"strategy", cfg.strategy},
                 {"critical_path_ms", cp},

@@ -120,6 +120,19 @@ double expert_ms(const graph::StepGraph& g, const StepTimeline& t) {
   return ms;
 }
 
+WeightTransfers weight_transfers(const graph::StepGraph& g, const StepTimeline& t) {
+  WeightTransfers w;
+  for (const graph::Op& op : g.ops) {
+    const OpSpan& sp = t.spans.at(op.id);
+    const bool sparse = op.collective == graph::Collective::sparse_allgather ||
+                        op.collective == graph::Collective::sparse_reduce_scatter;
+    if (!sparse || op.cost.bytes <= 0 || sp.end_ns < 0) continue;  // a rank that only receives: its peers count
+    w.bytes += static_cast<double>(op.cost.bytes);
+    w.seconds += 1e-9 * static_cast<double>(sp.end_ns - sp.start_ns);
+  }
+  return w;
+}
+
 bool Executor::may_start(int op) const {
   if (failed_) return false;
   auto state = [&](int i) { return state_[i]; };

@@ -50,6 +50,13 @@ StepBreakdown breakdown(const graph::StepGraph& g, const StepTimeline& t);
 double moe_layer_ms(const graph::StepGraph& g, const StepTimeline& t);
 // The expert GEMM ops' time on the compute stream (expert_fwd + expert_bwd), ms.
 double expert_ms(const graph::StepGraph& g, const StepTimeline& t);
+// Expert weights this rank sent in the step's sparse collectives (replica gathers, replica gradients'
+// reduce back to the owners) and the time of the ops that sent them, waits for peers included: what
+// moving a replica costs on this rank's communication lanes (strategy::WeightsRate folds it in).
+struct WeightTransfers {
+  double bytes = 0, seconds = 0;
+};
+WeightTransfers weight_transfers(const graph::StepGraph& g, const StepTimeline& t);
 
 class Executor {
  public:

@@ -91,6 +91,11 @@ void Strategy::refresh_links(const strategy::LinkCost& intra_node, const strateg
   impl_->update_cost(cost_);
 }
 
+void Strategy::refresh_weights_rate(double bytes, double seconds) {
+  if (cfg_.link_gbs > 0) return;
+  if (strategy::observe_weight_transfers(&cost_, bytes, seconds)) impl_->update_cost(cost_);
+}
+
 void Strategy::before_step() {
   for (size_t i = 0; i < layers_.size(); ++i)
     if (std::optional<plan::LayerPlacement> p = impl_->before_step(static_cast<int>(i), layers_[i]->owners()))

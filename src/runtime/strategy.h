@@ -50,8 +50,13 @@ class Strategy {
   // Between steps: links measured again (runtime::measure_links, agreed over the ranks), folded into
   // the cost model (exponential average, weight 0.5 on the new figures; a class not measured is
   // kept); the weights' and Hecate's overlap bandwidth follow the slowest class the ranks span, as
-  // at start-up. Ignored when --link-gbs gave the bandwidth.
+  // at start-up (the steps' own transfers then fold in again, below). Ignored when --link-gbs gave the
+  // bandwidth.
   void refresh_links(const strategy::LinkCost& intra_node, const strategy::LinkCost& inter_node);
+  // Between steps: the expert weights the step's sparse collectives sent and their ops' time, summed
+  // over ranks (runtime::weight_transfers; the same on every rank), folded into the weights bandwidth
+  // (strategy::observe_weight_transfers). Ignored when --link-gbs gave the bandwidth.
+  void refresh_weights_rate(double bytes, double seconds);
 
   // Before a step: each MoE layer's placement from the strategy.
   void before_step();

@@ -207,6 +207,7 @@ struct StepFigures {
   // the mean attn_fwd op (ms).
   double compute_ms = 0, exposed_comm_ms = 0, comm_ms = 0, allreduce_ms = 0, allreduce_hidden_ms = 0, attn_ms = 0;
   std::vector<double> moe_ms_per_rank, expert_ms_per_rank;
+  runtime::WeightTransfers weights;  // summed over ranks
 };
 
 // The mean duration of the step's attn_fwd ops, ms (0 when none ran).
@@ -225,7 +226,8 @@ double mean_attention_ms(const graph::StepGraph& g, const runtime::StepTimeline&
 json cost_model_json(const strategy::CostModel& c) {
   return {{"intra_node_gbs", c.intra_node.bandwidth / 1e9}, {"intra_node_us", c.intra_node.latency * 1e6},
           {"inter_node_gbs", c.inter_node.bandwidth / 1e9}, {"inter_node_us", c.inter_node.latency * 1e6},
-          {"weights_gbs", c.bandwidth / 1e9},               {"overlap_gbs", c.overlap_bandwidth / 1e9},
+          {"weights_gbs", c.bandwidth / 1e9},               {"network_gbs", c.network_bandwidth / 1e9},
+          {"overlap_gbs", c.overlap_bandwidth / 1e9},
           {"gemm_gflops", c.gemm_flops / 1e9}};
 }
 
@@ -505,6 +507,10 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   for (double& t : times) t /= ranks_.size;
   f->compute_ms = times[0], f->exposed_comm_ms = times[1], f->comm_ms = times[2];
   f->allreduce_ms = times[3], f->allreduce_hidden_ms = times[4], f->attn_ms = times[5];
+  const runtime::WeightTransfers sent = runtime::weight_transfers(step_graph_.graph, timeline_);
+  double weights[2] = {sent.bytes, sent.seconds};
+  if (Status s = ranks_.sum(weights, 2); !s) return s;
+  f->weights = {weights[0], weights[1]};
   f->loss = model_->cross_entropy();
   if (ranks_.world) {
     if (Status s = ranks_.sum(&f->loss, 1); !s) return s;
@@ -653,7 +659,7 @@ Status TrainingRun::gather_loads(StepLoads* out) {
 
 // The cost model's GEMM rate follows the expert ops: the FLOPs of the rows each rank's experts ran
 // (forward and backward: 3 passes) over their measured time, mean over ranks (the same inputs, hence
-// the same value, on every rank).
+// the same value, on every rank). Its weights bandwidth follows the step's sparse collectives.
 void TrainingRun::refresh_costs(const StepFigures& f, const StepLoads& l) {
   const double per_row = strategy::expert_flops_per_token(cfg_.model);
   double rate = 0;
@@ -665,6 +671,7 @@ void TrainingRun::refresh_costs(const StepFigures& f, const StepLoads& l) {
     if (rows > 0 && ms > 0) rate += per_row * static_cast<double>(rows) / (ms * 1e-3), ++n;
   }
   if (n > 0) strategy_.refresh_gemm_rate(rate / n);
+  strategy_.refresh_weights_rate(f.weights.bytes, f.weights.seconds);
 }
 
 // Every --link-refresh-every steps, for the strategies whose planners price moving weights: the

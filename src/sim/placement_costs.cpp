@@ -63,9 +63,10 @@ plan::LayerPlacement owned_only(const std::vector<int>& owner, int n_ranks) {
 class PlacementStrategy : public SimStrategy {
  public:
   // step: the strategy's build_step(s.model, opt); attn_s: the mean attn_fwd time (what observe tells the strategy).
-  PlacementStrategy(std::unique_ptr<strategy::Strategy> impl, const StrategySetup& s, const graph::EpStepOptions& opt,
-                    graph::EpStep step, double attn_s)
-      : impl_(std::move(impl)), setup_(s), opt_(opt), step_(std::move(step)), attn_s_(attn_s) {
+  // cost: the cost model impl was made with.
+  PlacementStrategy(std::unique_ptr<strategy::Strategy> impl, const strategy::CostModel& cost, const StrategySetup& s,
+                    const graph::EpStepOptions& opt, graph::EpStep step, double attn_s)
+      : impl_(std::move(impl)), cost_(cost), setup_(s), opt_(opt), step_(std::move(step)), attn_s_(attn_s) {
     nodes_.node_of_rank = s.node_of_rank;
     owners_.assign(strategy::moe_layer_count(s.model),
                    plan::even_placement(static_cast<int>(s.model.n_experts), s.ranks));
@@ -77,6 +78,7 @@ class PlacementStrategy : public SimStrategy {
     std::vector<LayerStepPlacement> layers;
     std::vector<std::vector<int64_t>> global(load.size(), std::vector<int64_t>(E, 0));
     stats_ = PlacementStats{};
+    stats_.weights_gbs = cost_.bandwidth / 1e9;
     for (size_t i = 0; i < load.size(); ++i) {
       std::vector<std::vector<int64_t>> counts(R, std::vector<int64_t>(E, 0));
       for (int r = 0; r < R; ++r)
@@ -106,6 +108,18 @@ class PlacementStrategy : public SimStrategy {
 
   const std::vector<SparseSchedule>& sparse_schedules() const override { return schedules_; }
   PlacementStats placement_stats() const override { return stats_; }
+  // As the trainer (runtime::Strategy::refresh_weights_rate): the weights bandwidth follows the
+  // simulated step's sparse collectives, summed over ranks, unless link_gbs gave it.
+  void after_step(const std::vector<graph::StepGraph>& graphs,
+                  const std::vector<runtime::StepTimeline>& timelines) override {
+    if (setup_.placement.link_gbs > 0) return;
+    runtime::WeightTransfers sum;
+    for (size_t r = 0; r < graphs.size() && r < timelines.size(); ++r) {
+      const runtime::WeightTransfers w = runtime::weight_transfers(graphs[r], timelines[r]);
+      sum.bytes += w.bytes, sum.seconds += w.seconds;
+    }
+    if (strategy::observe_weight_transfers(&cost_, sum.bytes, sum.seconds)) impl_->update_cost(cost_);
+  }
 
  private:
   // The strategy's re-sharding after `steps_` steps; returns the experts whose owner changed.
@@ -121,6 +135,7 @@ class PlacementStrategy : public SimStrategy {
   }
 
   std::unique_ptr<strategy::Strategy> impl_;
+  strategy::CostModel cost_;
   StrategySetup setup_;
   graph::EpStepOptions opt_;
   graph::EpStep step_;
@@ -326,7 +341,8 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   setup.cost.inter_node = s.inter_node;
   std::unique_ptr<strategy::Strategy> impl;
   if (Status st = strategy::make(name, setup, &impl); !st) return st;
-  *out = std::make_unique<PlacementStrategy>(std::move(impl), s, opt, std::move(step), n_attn ? attn_s / n_attn : 0);
+  *out = std::make_unique<PlacementStrategy>(std::move(impl), setup.cost, s, opt, std::move(step),
+                                             n_attn ? attn_s / n_attn : 0);
   return Status::ok();
 }
 

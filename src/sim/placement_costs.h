@@ -18,7 +18,9 @@
 // Cost-model inputs the runtime measures at start-up (runtime/measure_costs.h) come from the modeled
 // cluster's datasheet figures here: bandwidth = placement_bandwidth(), overlap_bandwidth =
 // overlap_bandwidth() (both PlacementOptions::link_gbs when set), the links from cluster_links(); the
-// GEMM rate = the device's rate on the balanced expert_fwd op (compute.h's efficiency curve).
+// GEMM rate = the device's rate on the balanced expert_fwd op (compute.h's efficiency curve). After
+// each simulated step the weights bandwidth follows that step's sparse collectives, as the trainer's
+// (strategy::observe_weight_transfers over runtime::weight_transfers of every rank's timeline).
 #pragma once
 
 #include <cstdint>

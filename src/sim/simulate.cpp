@@ -141,6 +141,7 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
     StepResult step;
     if (Status st = executor.run_step(graphs, &step, strategy->sparse_schedules()); !st)
       return Status::error(str_cat("step ", s + 1, ": ", st.message()));
+    strategy->after_step(graphs, step.timelines);
     SimStepSummary sum;
     sum.step_ms = step.seconds() * 1e3;
     for (int r = 0; r < R; ++r) {

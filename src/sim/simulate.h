@@ -69,6 +69,7 @@ struct PlacementStats {
   int64_t calibrations = 0;   // hecate: MoE layers whose calibration gathered
   int overlap_degree = 0;     // hecate: the t used
   int64_t experts_moved = 0;  // shards whose owner changed after this step (hecate Alg. 2, smartmoe, flexmoe)
+  double weights_gbs = 0;     // the weights bandwidth the planners priced this step's replicas at
 };
 
 class SimStrategy {
@@ -84,6 +85,12 @@ class SimStrategy {
     return none;
   }
   virtual PlacementStats placement_stats() const { return {}; }
+  // After the executor ran the graphs of step_graphs: their timelines [ranks] (what the trainer's
+  // strategy learns from its own step's op times).
+  virtual void after_step(const std::vector<graph::StepGraph>& graphs,
+                          const std::vector<runtime::StepTimeline>& timelines) {
+    (void)graphs, (void)timelines;
+  }
 };
 
 struct StrategyInfo {

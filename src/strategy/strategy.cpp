@@ -1,6 +1,7 @@
 // The Strategy defaults, the cost model, and the registry (strategy.h).
 #include "strategy/strategy.h"
 
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <utility>
@@ -88,10 +89,17 @@ void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops) {
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops) {
   CostModel c;
   const int64_t mats = model.activation == "swiglu" ? 3 : 2;
-  c.bandwidth = c.overlap_bandwidth = bandwidth;
+  c.bandwidth = c.network_bandwidth = c.overlap_bandwidth = bandwidth;
   c.expert_bytes = mats * model.d_model * model.d_ffn * static_cast<int64_t>(sizeof(float));
   set_gemm_rate(&c, model, gemm_flops);
   return c;
+}
+
+bool observe_weight_transfers(CostModel* c, double bytes, double seconds) {
+  if (!(bytes > 0) || !(seconds > 0) || !std::isfinite(bytes / seconds)) return false;
+  const double step_rate = bytes / seconds;
+  c->bandwidth = c->bandwidth > 0 ? 0.5 * c->bandwidth + 0.5 * step_rate : step_rate;
+  return true;
 }
 
 std::string describe(const CostModel& c) {

@@ -39,7 +39,11 @@ struct LinkCost {
 // (runtime/measure_costs.h), from the topology preset's datasheet figures in the simulator.
 struct CostModel {
   LinkCost intra_node, inter_node;      // between ranks of one host / of two hosts
-  double bandwidth = 0;                 // bytes/s a rank receives expert weights at
+  double bandwidth = 0;                 // bytes/s a rank receives expert weights at, in the steps
+  // bytes/s between two ranks over the slowest link class they span, as the links measure (what token
+  // rows cross at; bandwidth starts here, then follows the steps' own transfers:
+  // observe_weight_transfers).
+  double network_bandwidth = 0;
   // Hecate's Alg. 1 bw, for the overlap degree t: the inter-node bandwidth when the ranks span
   // nodes, else the uniform inter-device one.
   double overlap_bandwidth = 0;
@@ -56,7 +60,7 @@ struct CostModel {
 // rematerialization, the backward's second gather. Every planner that prices replicas on CPU ranks
 // charges this many.
 inline int replica_transfers_per_step(bool rematerialize) { return rematerialize ? 3 : 2; }
-// The cost model of `model`'s experts at these rates; overlap_bandwidth = bandwidth, no links.
+// The cost model of `model`'s experts at these rates; network and overlap bandwidth = bandwidth, no links.
 // REQUIRES: gemm_flops > 0.
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops);
 // FLOPs of one token through one of `model`'s experts, forward and backward (3 GEMM passes).
@@ -64,6 +68,12 @@ double expert_flops_per_token(const ModelConfig& model);
 // c's GEMM rate and what follows from it (expert_seconds_per_token); the rest of c is kept.
 // REQUIRES: gemm_flops > 0.
 void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops);
+// After a step whose sparse collectives sent `bytes` of expert weights in `seconds` of their ops,
+// summed over ranks (runtime::weight_transfers: the same figures on every rank), c's weights
+// bandwidth moves half-way to that rate; a step that moved nothing leaves it. Start-up's figure is a
+// ping-pong on an idle link, at its shaper's burst; this is what a replica's transfer costs on the
+// lanes beside the step's compute, so the planners price replicas as they run. Returns whether c changed.
+bool observe_weight_transfers(CostModel* c, double bytes, double seconds);
 // "intra 9.8 GB/s 4 us, inter 0.118 GB/s 60 us, gemm 410 GFLOP/s, weights 1.2 GB/s, t from 0.118 GB/s"
 std::string describe(const CostModel& c);
 
