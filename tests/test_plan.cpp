@@ -674,6 +674,13 @@ TEST(FasterMoe, UnitCosts) {
   cpu.transfers_per_shadow = 2;
   EXPECT_DOUBLE_EQ(fastermoe_unit_costs(cpu).t_m, 8.0);
   EXPECT_DOUBLE_EQ(fastermoe_unit_costs(cpu).t_c, 1.0);
+  // Weights moving at their own measured rate (a quarter of the links'): t_m 4x, t_f as before.
+  FasterMoeModel slow_weights = small_model();
+  slow_weights.weights_bandwidth = 16;
+  EXPECT_DOUBLE_EQ(fastermoe_unit_costs(slow_weights).t_m, 16.0);
+  EXPECT_DOUBLE_EQ(fastermoe_unit_costs(slow_weights).t_f, 0.25);
+  slow_weights.weights_bandwidth = -1;
+  EXPECT_THROW(fastermoe_unit_costs(slow_weights), std::logic_error);
 }
 
 TEST(FasterMoe, ShadowsNothingUnderUniformOrZeroLoad) {

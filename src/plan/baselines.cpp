@@ -18,7 +18,8 @@ bool positive_finite(double x) { return std::isfinite(x) && x > 0; }
 
 void require_fastermoe_model(const char* where, const FasterMoeModel& m) {
   if (m.d_model <= 0 || !positive_finite(m.ffn_ratio) || m.bytes_per_element <= 0 || !positive_finite(m.bandwidth) ||
-      !positive_finite(m.gemm_flops) || m.transfers_per_shadow < 1)
+      !positive_finite(m.gemm_flops) || m.transfers_per_shadow < 1 || !(m.weights_bandwidth >= 0) ||
+      !std::isfinite(m.weights_bandwidth))
     violated(where, "FasterMoeModel fields must be positive and finite");
 }
 
@@ -35,7 +36,8 @@ FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model) {
   FasterMoeUnitCosts u;
   u.t_c = 4 * a_h2 / model.gemm_flops;
   u.t_f = H * s / model.bandwidth;
-  u.t_m = model.transfers_per_shadow * 2 * a_h2 * s / model.bandwidth;
+  const double weights_bandwidth = model.weights_bandwidth > 0 ? model.weights_bandwidth : model.bandwidth;
+  u.t_m = model.transfers_per_shadow * 2 * a_h2 * s / weights_bandwidth;
   return u;
 }
 

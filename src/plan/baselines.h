@@ -21,7 +21,7 @@ namespace moe::plan {
 // coldest expert is never shadowed (the loop ends one expert early). Changed, as the public code
 // says: loads are summed over source ranks (FastMoE v1 sums the wrong axis).
 
-// The model's inputs (all > 0 and finite).
+// The model's inputs (all > 0 and finite but weights_bandwidth, >= 0).
 struct FasterMoeModel {
   int64_t d_model = 0;            // H
   double ffn_ratio = 0;           // a = d_ffn / H
@@ -32,10 +32,13 @@ struct FasterMoeModel {
   // FasterMoE, whose GPUs reduce the shadows' gradients beside the backward; 2 on CPU ranks, where that
   // reduce takes the compute's cores as the broadcast does (the same count as Hecate's replicas).
   int transfers_per_shadow = 1;
+  // BW for t_m, bytes/s an expert's weights move at (0: bandwidth, FasterMoE's one BW). The trainer
+  // measures both: the links, and what the steps' weight transfers achieve beside its compute.
+  double weights_bandwidth = 0;
 };
 
 // Seconds per unit: t_c = 4aH^2/P (forward GEMMs of one token), t_f = H*s/BW (moving one token once),
-// t_m = n*2aH^2*s/BW (moving one expert's weights, n times).
+// t_m = n*2aH^2*s/BW_w (moving one expert's weights, n times; BW_w = weights_bandwidth, else BW).
 struct FasterMoeUnitCosts {
   double t_c = 0, t_f = 0, t_m = 0;
 };

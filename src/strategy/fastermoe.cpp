@@ -16,7 +16,9 @@ class FasterMoe : public Strategy {
     update_cost(s.cost);
   }
   void update_cost(const CostModel& c) override {
-    model_.bandwidth = c.bandwidth;
+    // Tokens cross the links; the shadows' weights move at what the steps' transfers achieve.
+    model_.bandwidth = c.network_bandwidth;
+    model_.weights_bandwidth = c.bandwidth;
     model_.gemm_flops = c.gemm_flops;
     // On CPU ranks the shadow's broadcast and its gradients' reduce.
     model_.transfers_per_shadow = c.transfers_take_compute ? replica_transfers_per_step(false) : 1;

@@ -27,7 +27,8 @@ class SmartMoe : public Strategy {
   // is in both, and where the step waits on the all-to-all (every GPU preset) mostly in the second.
   void update_cost(const CostModel& c) override {
     const double exchange_bytes = 4.0 * static_cast<double>(d_model_) * sizeof(float) * (world_ - 1) / world_;
-    config_.expert_seconds_per_token = c.expert_seconds_per_token + (c.bandwidth > 0 ? exchange_bytes / c.bandwidth : 0);
+    config_.expert_seconds_per_token =
+        c.expert_seconds_per_token + (c.network_bandwidth > 0 ? exchange_bytes / c.network_bandwidth : 0);
     config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
     config_.bandwidth = c.bandwidth;
   }
