@@ -644,18 +644,40 @@ FasterMoeModel small_model() {
   return FasterMoeModel{4, 2.0, 4, 64.0, 128.0};
 }
 
-// The shadowing loop of FasterMoE's public code, written out again from its formulas.
-std::vector<int> expected_shadowed(const std::vector<int64_t>& load, const FasterMoeUnitCosts& u) {
-  std::vector<int> order(load.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
-  auto lat = [&](size_t k) {  // Lat_k
-    const double l = static_cast<double>(load[order[k]]);
-    return 3 * u.t_c * l + 4 * u.t_f * l + static_cast<double>(k) * u.t_m;
+// The shadowing loop over ranks, written out again from its formulas: B_w(S) recomputed from scratch
+// for every candidate set.
+std::vector<int> expected_shadowed(const std::vector<int>& owner, const Counts& c, const FasterMoeUnitCosts& u) {
+  const size_t R = c.size(), E = owner.size();
+  auto lat = [&](const std::vector<int>& s) {
+    std::vector<double> b(R, 0);
+    for (size_t e = 0; e < E; ++e) {
+      const bool shadowed = std::find(s.begin(), s.end(), static_cast<int>(e)) != s.end();
+      for (size_t w = 0; w < R; ++w) b[shadowed ? w : owner[e]] += static_cast<double>(c[w][e]);
+    }
+    return (3 * u.t_c + 4 * u.t_f) * *std::max_element(b.begin(), b.end()) + static_cast<double>(s.size()) * u.t_m;
   };
-  std::vector<int> out;
-  for (size_t k = 1; k < order.size() && lat(k) < lat(k - 1); ++k) out.push_back(order[k - 1]);
-  return out;
+  std::vector<int> s;
+  while (s.size() + 1 < E) {
+    std::vector<double> b(R, 0);
+    for (size_t e = 0; e < E; ++e)
+      for (size_t w = 0; w < R; ++w)
+        b[std::find(s.begin(), s.end(), static_cast<int>(e)) != s.end() ? w : owner[e]] += static_cast<double>(c[w][e]);
+    const int busiest = static_cast<int>(std::max_element(b.begin(), b.end()) - b.begin());
+    int hot = -1;
+    int64_t hot_load = 0;
+    for (size_t e = 0; e < E; ++e) {
+      int64_t l = 0;
+      for (size_t w = 0; w < R; ++w) l += c[w][e];
+      if (owner[e] == busiest && std::find(s.begin(), s.end(), static_cast<int>(e)) == s.end() && l > hot_load)
+        hot = static_cast<int>(e), hot_load = l;
+    }
+    if (hot < 0) break;
+    std::vector<int> next = s;
+    next.push_back(hot);
+    if (!(lat(next) < lat(s))) break;
+    s = next;
+  }
+  return s;
 }
 
 TEST(FasterMoe, UnitCosts) {
@@ -691,43 +713,56 @@ TEST(FasterMoe, ShadowsNothingUnderUniformOrZeroLoad) {
 }
 
 TEST(FasterMoe, ShadowsTheHotExpertUnderASingleHotLoad) {
-  // 3 t_c + 4 t_f = 4 per token. Hot expert 6 with 4 * 10 tokens: Lat_0 = 160, Lat_1 = 0 + t_m = 4 < 160:
-  // shadow it; Lat_2 = 0 + 2 t_m = 8 > 4: stop.
+  // 3 t_c + 4 t_f = 4 per token. Hot expert 6 (rank 3's) with 10 tokens from each of 4 ranks:
+  // Lat_0 = 4 * 40 = 160; shadowed, every rank computes its own 10: 4 * 10 + t_m = 44 < 160. Next the
+  // busiest rank (all tie at 10: rank 0) holds no expert with tokens: stop.
   const LayerPlacement base = even_placement(8, 4);
   const Counts counts = single_hot_counts(4, 8, 6, 10);
-  const FasterMoeUnitCosts u = fastermoe_unit_costs(small_model());
-  const double lat0 = (3 * u.t_c + 4 * u.t_f) * 40, lat1 = u.t_m, lat2 = 2 * u.t_m;
-  ASSERT_LT(lat1, lat0);
-  ASSERT_GE(lat2, lat1);
-  EXPECT_EQ(fastermoe_shadowed(column_sums(counts), small_model()), std::vector<int>{6});
+  EXPECT_EQ(fastermoe_shadowed(base.owner, counts, small_model()), std::vector<int>{6});
   const LayerPlacement p = fastermoe_plan(base, counts, small_model());
   EXPECT_EQ(p.owner, base.owner);
   const std::vector<int> everywhere = {0, 1, 2, 3};
   for (int e = 0; e < 8; ++e) EXPECT_EQ(p.replicas[e], e == 6 ? everywhere : base.replicas[e]);
-  // Counting the gradients' reduce too (t_m = 8): a hot expert with 4 tokens (Lat_0 = 16 > 8) is
-  // shadowed; with 2 tokens (Lat_0 = 8 = Lat_1) it is not, where one transfer (t_m = 4) paid.
+  // Counting the gradients' reduce too (t_m = 8), one expert per rank as in FasterMoE's code: 4 tokens
+  // for expert 1, one from each rank (Lat_0 = 16 > 4 + 8) are shadowed; 2 (Lat_0 = 8 = 4 + 4) are not
+  // even with one transfer (t_m = 4).
   FasterMoeModel cpu = small_model();
   cpu.transfers_per_shadow = 2;
-  EXPECT_EQ(fastermoe_shadowed({0, 4, 0, 0}, cpu), std::vector<int>{1});
-  EXPECT_EQ(fastermoe_shadowed({0, 2, 0, 0}, small_model()), std::vector<int>{1});
-  EXPECT_TRUE(fastermoe_shadowed({0, 2, 0, 0}, cpu).empty());
-  // One token in all: Lat_0 = 4 = Lat_1, not worth a broadcast.
-  EXPECT_TRUE(fastermoe_shadowed({0, 0, 1, 0}, small_model()).empty());
-  // Sums over source ranks: two ranks with 1 token each for expert 0 make L_0 = 2, Lat_0 = 8 > 4.
-  EXPECT_EQ(fastermoe_plan(even_placement(2, 2), {{1, 0}, {1, 0}}, small_model()).replicas[0],
-            (std::vector<int>{0, 1}));
+  const std::vector<int> one_each = {0, 1, 2, 3};
+  EXPECT_EQ(fastermoe_shadowed(one_each, {{0, 1, 0, 0}, {0, 1, 0, 0}, {0, 1, 0, 0}, {0, 1, 0, 0}}, cpu),
+            std::vector<int>{1});
+  EXPECT_TRUE(fastermoe_shadowed(one_each, {{0, 1, 0, 0}, {0, 1, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}}, small_model())
+                  .empty());
+  // Tokens that all come from one rank gain nothing from a shadow: that rank computes them all.
+  EXPECT_TRUE(fastermoe_shadowed(one_each, {{0, 40, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}}, cpu).empty());
+  // Sums over source ranks: rank 1 routes 3 tokens to expert 0 (rank 0's) and rank 0 one, L_0 = 4:
+  // Lat_0 = 16; shadowed, rank 1 computes its 3: 12 + 4 = 16, not lower: kept home.
+  EXPECT_TRUE(fastermoe_shadowed({0, 1}, {{1, 0}, {3, 0}}, small_model()).empty());
+  EXPECT_EQ(fastermoe_shadowed({0, 1}, {{3, 0}, {3, 0}}, small_model()), std::vector<int>{0});  // 24 > 12 + 4
+}
+
+// Several experts a rank: the busiest rank bounds the step. Rank 0 holds experts 0, 1 (60 and 0
+// tokens), rank 1 holds 2, 3 (60 each): rows 60 / 120. FasterMoE's code sees three experts of 60 and
+// shadows none (Lat_1 = 4 * 60 + 4 > 240). Here rank 1's expert 2 is shadowed: rank 0 computes its 40
+// tokens, rank 1 its 20: rows 100 / 80, Lat 404 < 480; then rank 0's expert 0: 70 / 110, 448: stop.
+TEST(FasterMoe, TheBusiestRankNotTheHottestExpertBoundsTheStep) {
+  const Counts counts = {{30, 0, 40, 40}, {30, 0, 20, 20}};
+  EXPECT_EQ(fastermoe_shadowed({0, 0, 1, 1}, counts, small_model()), std::vector<int>{2});
+  EXPECT_THROW(fastermoe_shadowed({0, 0, 2, 1}, counts, small_model()), std::logic_error);  // owner out of range
 }
 
 TEST(FasterMoe, ZipfMatchesTheLatencyFormula) {
   const FasterMoeUnitCosts u = fastermoe_unit_costs(small_model());
   bool some_shadowed = false;
-  for (uint32_t seed = 1; seed <= 20; ++seed) {
-    const auto load = column_sums(zipf_counts(4, 16, 50 + 20 * seed, 1.4, seed));
-    const auto shadowed = fastermoe_shadowed(load, small_model());
-    EXPECT_EQ(shadowed, expected_shadowed(load, u)) << "seed " << seed;
-    EXPECT_LT(shadowed.size(), load.size());  // the coldest expert is never shadowed
-    some_shadowed |= !shadowed.empty();
-    EXPECT_EQ(shadowed, fastermoe_shadowed(load, small_model()));
+  for (int R : {4, 8}) {
+    const LayerPlacement even = even_placement(16, R);
+    for (uint32_t seed = 1; seed <= 20; ++seed) {
+      const Counts counts = zipf_counts(R, 16, 50 + 20 * seed, 1.4, seed);
+      const auto shadowed = fastermoe_shadowed(even.owner, counts, small_model());
+      EXPECT_EQ(shadowed, expected_shadowed(even.owner, counts, u)) << "R " << R << " seed " << seed;
+      EXPECT_LT(shadowed.size(), 16u);  // one expert is never shadowed
+      some_shadowed |= !shadowed.empty();
+    }
   }
   EXPECT_TRUE(some_shadowed);
 }

@@ -41,25 +41,42 @@ FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model) {
   return u;
 }
 
-std::vector<int> fastermoe_shadowed(const std::vector<int64_t>& load, const FasterMoeModel& model) {
+std::vector<int> fastermoe_shadowed(const std::vector<int>& owner, const std::vector<std::vector<int64_t>>& counts,
+                                    const FasterMoeModel& model) {
+  constexpr const char* kWhere = "fastermoe_shadowed";
   const FasterMoeUnitCosts u = fastermoe_unit_costs(model);
-  for (int64_t l : load)
-    if (l < 0) violated("fastermoe_shadowed", "negative load");
-  const int E = static_cast<int>(load.size());
-  std::vector<int> order(E);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] > load[b]; });
-
-  // Per token of the busiest remaining expert: 3 GEMM passes (forward + backward) and 4 transfers
-  // (two all-to-alls each way).
+  const int R = static_cast<int>(counts.size()), E = static_cast<int>(owner.size());
+  detail::require_counts(kWhere, counts, R, E);
+  std::vector<int64_t> load(E, 0);
+  std::vector<int64_t> rows(R, 0);  // B_w(S), S empty
+  for (int e = 0; e < E; ++e) {
+    if (owner[e] < 0 || owner[e] >= R) violated(kWhere, "owner out of range");
+    for (int w = 0; w < R; ++w) load[e] += counts[w][e];
+    rows[owner[e]] += load[e];
+  }
+  // Per token on the busiest rank: 3 GEMM passes (forward + backward) and 4 transfers (two
+  // all-to-alls each way).
   const double per_token = 3 * u.t_c + 4 * u.t_f;
+  auto latency = [&](const std::vector<int64_t>& b, size_t k) {
+    return per_token * static_cast<double>(*std::max_element(b.begin(), b.end())) + static_cast<double>(k) * u.t_m;
+  };
   std::vector<int> shadowed;
-  if (E == 0) return shadowed;
-  double previous = per_token * static_cast<double>(load[order[0]]);  // Lat_0
-  for (int k = 1; k < E; ++k) {
-    const double lat = per_token * static_cast<double>(load[order[k]]) + k * u.t_m;  // Lat_k
+  std::vector<bool> in_s(E, false);
+  double previous = latency(rows, 0);
+  while (static_cast<int>(shadowed.size()) + 1 < E) {
+    const int busiest = static_cast<int>(std::max_element(rows.begin(), rows.end()) - rows.begin());
+    int hot = -1;
+    for (int e = 0; e < E; ++e)
+      if (owner[e] == busiest && !in_s[e] && load[e] > 0 && (hot < 0 || load[e] > load[hot])) hot = e;
+    if (hot < 0) break;
+    std::vector<int64_t> next = rows;
+    next[busiest] -= load[hot];
+    for (int w = 0; w < R; ++w) next[w] += counts[w][hot];
+    const double lat = latency(next, shadowed.size() + 1);
     if (!(lat < previous)) break;
-    shadowed.push_back(order[k - 1]);
+    shadowed.push_back(hot);
+    in_s[hot] = true;
+    rows = std::move(next);
     previous = lat;
   }
   return shadowed;
@@ -71,13 +88,11 @@ LayerPlacement fastermoe_plan(const LayerPlacement& sharded, const std::vector<s
   detail::require_valid(kWhere, sharded);
   const int R = sharded.n_ranks, E = sharded.n_experts();
   detail::require_counts(kWhere, counts, R, E);
-  std::vector<int64_t> load(E, 0);
-  for (int w = 0; w < R; ++w)
-    for (int e = 0; e < E; ++e) load[e] += counts[w][e];  // over source ranks (FastMoE v1 summed the other axis)
   LayerPlacement out = sharded;
   std::vector<int> all(R);
   std::iota(all.begin(), all.end(), 0);
-  for (int e : fastermoe_shadowed(load, model)) out.replicas[e] = all;
+  // L_e over source ranks (FastMoE v1 summed the other axis).
+  for (int e : fastermoe_shadowed(sharded.owner, counts, model)) out.replicas[e] = all;
   return out;
 }
 
