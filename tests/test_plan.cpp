@@ -574,6 +574,17 @@ TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {
   expect_same(c.placement, owners);
   EXPECT_THROW(price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 0}),
                std::logic_error);
+  // The all-to-alls it shortens: rank 0 received 300 of expert 0's tokens from the others; with a copy
+  // everywhere each source keeps its own, and the most any rank receives from the others is 15 (5 of
+  // its expert's from each other rank). At 1 ms a crossing row that adds 0.285 s: two transfers
+  // (0.4 s) pay against 0.565 s.
+  c = price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 2, 1e-3});
+  EXPECT_EQ(c.remote_before, 300);
+  EXPECT_EQ(c.remote_after, 15);
+  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.28 + 0.285);
+  EXPECT_TRUE(c.gather);
+  EXPECT_THROW(price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 2, -1}),
+               std::logic_error);
   EXPECT_THROW(price_placement(owners, even_placement(8, 4), skewed, nodes, CalibrationModel{1e-3, 1e5, 1000}),
                std::logic_error);
 }

@@ -123,7 +123,8 @@ TEST(StrategyDecisions, HecateReplicatesTheHotExpertItPredicts) {
 }
 
 // On CPU ranks the replicas' transfers take the compute's cores, so Alg. 1's plan is kept only when
-// the saving on the busiest rank beats the gather and the gradient's reduce-scatter together.
+// the saving (the busiest rank's expert time, and the exchanges of rows the replicas keep home, at the
+// links' bandwidth) beats the gather and the gradient's reduce-scatter together.
 TEST(StrategyDecisions, HecateOnCpuRanksPaysForTheGatherAndTheReduceScatter) {
   strategy::Setup s = setup(4);
   const LayerPlacement owners = moe::plan::even_placement(8, 4);
@@ -136,9 +137,11 @@ TEST(StrategyDecisions, HecateOnCpuRanksPaysForTheGatherAndTheReduceScatter) {
   ASSERT_NE(planned.replicas, owners.replicas);
   const std::vector<int64_t> row = skewed(1, 8)[0];
   const std::vector<double> load(row.begin(), row.end());
+  const double exchange = 4.0 * static_cast<double>(s.model.d_model) * 4 / s.cost.network_bandwidth;
   const moe::plan::Calibration one = moe::plan::price_placement(
       owners, planned, moe::plan::even_counts(load, 4), s.nodes,
-      {s.cost.expert_seconds_per_token, s.cost.bandwidth, s.cost.expert_bytes, 1});
+      {s.cost.expert_seconds_per_token, s.cost.bandwidth, s.cost.expert_bytes, 1, exchange});
+  ASSERT_GT(one.remote_before, one.remote_after);
   ASSERT_GT(one.saved_seconds, 0);
   ASSERT_GT(one.gather_bytes, 0);
 

@@ -158,21 +158,33 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
   detail::require_counts(kWhere, counts, R, E);
   if (!std::isfinite(model.expert_seconds_per_token) || model.expert_seconds_per_token <= 0 ||
       !std::isfinite(model.bandwidth) || model.bandwidth <= 0 || model.expert_bytes <= 0 ||
-      model.transfers_per_replica < 1)
+      model.transfers_per_replica < 1 || !std::isfinite(model.exchange_seconds_per_token) ||
+      model.exchange_seconds_per_token < 0)
     violated(kWhere, "CalibrationModel fields must be positive and finite");
-  auto busiest = [&](const LayerPlacement& p) {
-    const std::vector<int64_t> received = received_tokens(dispatch_plan(p, nodes, counts));
+  // The busiest rank's tokens, and the most any rank receives from the others.
+  auto busiest = [&](const LayerPlacement& p, int64_t* remote) {
+    const auto rows = dispatch_plan(p, nodes, counts);
+    const std::vector<int64_t> received = received_tokens(rows);
+    *remote = 0;
+    for (int d = 0; d < R; ++d) {
+      int64_t from_others = 0;
+      for (int s = 0; s < R; ++s)
+        if (s != d)
+          for (int e = 0; e < E; ++e) from_others += rows[s][e][d];
+      *remote = std::max(*remote, from_others);
+    }
     return *std::max_element(received.begin(), received.end());
   };
   Calibration c;
-  c.busiest_before = busiest(in_force);
-  c.busiest_after = busiest(calibrated);
+  c.busiest_before = busiest(in_force, &c.remote_before);
+  c.busiest_after = busiest(calibrated, &c.remote_after);
   std::vector<int64_t> gained(R, 0);
   for (int e = 0; e < E; ++e)
     for (int r : calibrated.replicas[e])
       if (!in_force.holds(r, e)) ++gained[r];
   c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
-  c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token;
+  c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
+                    static_cast<double>(c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
   c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;
   c.gather = c.saved_seconds > c.gather_seconds;
   c.placement = c.gather ? calibrated : in_force;

@@ -59,7 +59,7 @@ std::vector<int> extra_experts(const LayerPlacement& p);
 LayerPlacement sparse_materialize(const LayerPlacement& base, const std::vector<double>& load, int t, int m,
                                   const Nodes& nodes);
 
-// The cost model of the calibration (all fields > 0 and finite).
+// The cost model of the calibration (all fields > 0 and finite but exchange_seconds_per_token, >= 0).
 struct CalibrationModel {
   // Seconds one token spends in one expert on a rank over the step, for as long as the placement holds
   // (forward and backward: about 3x the forward GEMM time, since the backward re-gathers the same
@@ -72,6 +72,9 @@ struct CalibrationModel {
   // attention backward); on CPU ranks every transfer takes the compute's cores, so 2 (the gather and
   // the gradient's SparseReduceScatter), 3 with rematerialization (the backward gathers again).
   int transfers_per_replica = 1;
+  // Seconds one token's row costs in the all-to-alls when it crosses to another rank (4 exchanges:
+  // dispatch and combine, forward and backward); 0 leaves the all-to-alls out of the price.
+  double exchange_seconds_per_token = 0;
 };
 
 // Whether the calibration's extra SparseAllGather pays, and the placement to dispatch over.
@@ -80,8 +83,11 @@ struct Calibration {
   LayerPlacement placement;    // the calibrated placement when gather, else the one in force
   int64_t busiest_before = 0;  // tokens of the busiest rank under the placement in force
   int64_t busiest_after = 0;   // ... under the calibrated placement (computed in both cases)
+  int64_t remote_before = 0;   // rows the rank receiving the most from other ranks receives, in force
+  int64_t remote_after = 0;    // ... calibrated
   int64_t gather_bytes = 0;    // bytes received by the rank receiving the most in the extra gather
   double saved_seconds = 0;    // (busiest_before - busiest_after) * expert_seconds_per_token
+                               //   + (remote_before - remote_after) * exchange_seconds_per_token
   double gather_seconds = 0;   // transfers_per_replica * gather_bytes / bandwidth
 };
 
@@ -89,7 +95,9 @@ struct Calibration {
 // (L_e = sum over s of counts[s][e]) and the remaining memory (m minus the extras in force, as
 // sparse_materialize counts them), then prices the result. Cost model:
 //   busiest(P)      = max over ranks d of the tokens dispatch_plan(P, nodes, counts) sends to d
+//   remote(P)       = max over ranks d of the tokens it receives from other ranks
 //   saved_seconds   = (busiest(in force) - busiest(calibrated)) * expert_seconds_per_token
+//                     + (remote(in force) - remote(calibrated)) * exchange_seconds_per_token
 //   gather_seconds  = transfers_per_replica * max over ranks of (experts it newly holds) * expert_bytes
 //                     / bandwidth
 //   gather          = saved_seconds > gather_seconds
@@ -97,8 +105,8 @@ struct Calibration {
 // run concurrently (comm/sparse_collectives.h: rounds ~ the most chunks any rank receives). With
 // transfers_per_replica = 1 only the forward gather is charged: it sits on the critical path, while
 // the backward's re-gather and the SparseReduceScatter of the extra replicas hide behind attention
-// backward (§3.2); where they cannot hide, the caller counts them. Ignored: the all-to-all time,
-// which a better balance also shortens (so the model errs towards not gathering).
+// backward (§3.2); where they cannot hide, the caller counts them. The all-to-alls a better balance
+// also shortens count through exchange_seconds_per_token (0: left out, erring towards not gathering).
 // t: the experts Alg. 1 considers (the overlap degree, as in the overlapped run; pass E to consider
 // all). counts [R][E] as in dispatch_plan. REQUIRES: those of sparse_materialize and dispatch_plan,
 // model fields > 0 and finite.

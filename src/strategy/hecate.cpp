@@ -82,10 +82,13 @@ class Hecate : public Strategy {
  private:
   // The price of a gather (before the gate and at calibration alike). On CPU ranks every transfer of
   // a replica takes the compute's cores: the gather, the gradient's reduce-scatter and, with
-  // rematerialization, the backward's second gather.
+  // rematerialization, the backward's second gather. A token a replica keeps home saves its expert
+  // time on the busiest rank and its row's 4 exchanges over the links.
   plan::CalibrationModel calibration_model() const {
     const int transfers = s_.cost.transfers_take_compute ? replica_transfers_per_step(s_.options.rematerialize) : 1;
-    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers};
+    const double row_bytes = static_cast<double>(s_.model.d_model) * sizeof(float);
+    const double exchange = s_.cost.network_bandwidth > 0 ? 4 * row_bytes / s_.cost.network_bandwidth : 0;
+    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers, exchange};
   }
 
   Setup s_;
