@@ -655,8 +655,8 @@ FasterMoeModel small_model() {
   return FasterMoeModel{4, 2.0, 4, 64.0, 128.0};
 }
 
-// The shadowing loop over ranks, written out again from its formulas: B_w(S) recomputed from scratch
-// for every candidate set.
+// The shadowing over ranks, written out again from its formulas: B_w(S) recomputed from scratch for
+// every candidate set, the whole order walked, the cheapest prefix kept.
 std::vector<int> expected_shadowed(const std::vector<int>& owner, const Counts& c, const FasterMoeUnitCosts& u) {
   const size_t R = c.size(), E = owner.size();
   auto lat = [&](const std::vector<int>& s) {
@@ -667,7 +667,7 @@ std::vector<int> expected_shadowed(const std::vector<int>& owner, const Counts& 
     }
     return (3 * u.t_c + 4 * u.t_f) * *std::max_element(b.begin(), b.end()) + static_cast<double>(s.size()) * u.t_m;
   };
-  std::vector<int> s;
+  std::vector<int> s, best;
   while (s.size() + 1 < E) {
     std::vector<double> b(R, 0);
     for (size_t e = 0; e < E; ++e)
@@ -683,12 +683,10 @@ std::vector<int> expected_shadowed(const std::vector<int>& owner, const Counts& 
         hot = static_cast<int>(e), hot_load = l;
     }
     if (hot < 0) break;
-    std::vector<int> next = s;
-    next.push_back(hot);
-    if (!(lat(next) < lat(s))) break;
-    s = next;
+    s.push_back(hot);
+    if (lat(s) < lat(best)) best = s;
   }
-  return s;
+  return best;
 }
 
 TEST(FasterMoe, UnitCosts) {
@@ -755,11 +753,17 @@ TEST(FasterMoe, ShadowsTheHotExpertUnderASingleHotLoad) {
 // Several experts a rank: the busiest rank bounds the step. Rank 0 holds experts 0, 1 (60 and 0
 // tokens), rank 1 holds 2, 3 (60 each): rows 60 / 120. FasterMoE's code sees three experts of 60 and
 // shadows none (Lat_1 = 4 * 60 + 4 > 240). Here rank 1's expert 2 is shadowed: rank 0 computes its 40
-// tokens, rank 1 its 20: rows 100 / 80, Lat 404 < 480; then rank 0's expert 0: 70 / 110, 448: stop.
+// tokens, rank 1 its 20: rows 100 / 80, Lat 404 < 480; then rank 0's expert 0 (70 / 110, 448) and
+// rank 1's expert 3 (110 / 70, 452) cost more.
 TEST(FasterMoe, TheBusiestRankNotTheHottestExpertBoundsTheStep) {
   const Counts counts = {{30, 0, 40, 40}, {30, 0, 20, 20}};
   EXPECT_EQ(fastermoe_shadowed({0, 0, 1, 1}, counts, small_model()), std::vector<int>{2});
   EXPECT_THROW(fastermoe_shadowed({0, 0, 2, 1}, counts, small_model()), std::logic_error);  // owner out of range
+  // Two equally hot experts on two ranks: either alone moves the maximum to the other rank (4 sources x
+  // 32 tokens each: rows 128 / 128 / 0 / 0 -> 32 / 160 / 32 / 32), both together halve it (64 each):
+  // Lat 4 * 64 + 2 t_m = 264 < 512, where FasterMoE's code would stop at the first.
+  const Counts two_hot(4, std::vector<int64_t>{32, 32, 0, 0});
+  EXPECT_EQ(fastermoe_shadowed({0, 1, 2, 3}, two_hot, small_model()), (std::vector<int>{0, 1}));
 }
 
 TEST(FasterMoe, ZipfMatchesTheLatencyFormula) {

@@ -62,23 +62,21 @@ std::vector<int> fastermoe_shadowed(const std::vector<int>& owner, const std::ve
   };
   std::vector<int> shadowed;
   std::vector<bool> in_s(E, false);
-  double previous = latency(rows, 0);
+  double best = latency(rows, 0);
+  size_t best_size = 0;
   while (static_cast<int>(shadowed.size()) + 1 < E) {
     const int busiest = static_cast<int>(std::max_element(rows.begin(), rows.end()) - rows.begin());
     int hot = -1;
     for (int e = 0; e < E; ++e)
       if (owner[e] == busiest && !in_s[e] && load[e] > 0 && (hot < 0 || load[e] > load[hot])) hot = e;
     if (hot < 0) break;
-    std::vector<int64_t> next = rows;
-    next[busiest] -= load[hot];
-    for (int w = 0; w < R; ++w) next[w] += counts[w][hot];
-    const double lat = latency(next, shadowed.size() + 1);
-    if (!(lat < previous)) break;
+    rows[busiest] -= load[hot];
+    for (int w = 0; w < R; ++w) rows[w] += counts[w][hot];
     shadowed.push_back(hot);
     in_s[hot] = true;
-    rows = std::move(next);
-    previous = lat;
+    if (const double lat = latency(rows, shadowed.size()); lat < best) best = lat, best_size = shadowed.size();
   }
+  shadowed.resize(best_size);
   return shadowed;
 }
 

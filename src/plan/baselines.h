@@ -51,8 +51,11 @@ FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model);
 //   B_w(S) = sum over the experts e it owns, e not in S, of L_e  +  sum over e in S of c[w][e]
 // (a shadowed expert's tokens are computed where they were routed from), and
 //   Lat(S) = (3*t_c + 4*t_f) * max_w B_w(S) + |S| * t_m.
-// Repeatedly the hottest expert not in S held by the busiest rank (ties: lower ids) joins S while Lat
-// falls; at least one expert is never shadowed. FasterMoE's code takes the hottest remaining expert's
+// Repeatedly the hottest expert not in S held by the busiest rank (ties: lower ids) joins S, until
+// that rank holds none with tokens or one expert is left; the shadowed set is the prefix of that
+// order with the lowest Lat (the fewest on ties). FasterMoE's code stops at the first k whose Lat does
+// not fall, which never shadows two equally hot experts of two ranks (each alone moves the maximum
+// to the other). FasterMoE's code also takes the hottest remaining expert's
 // L_e as the latency (Lat_k = (3 t_c + 4 t_f) L(k+1) + k t_m), the same where each rank holds one
 // expert, as in its paper, and a shadowed expert's own tokens are left out. Where ranks hold several
 // experts the busiest rank, not the busiest expert, bounds the step; under that rule FasterMoE ran
