@@ -52,7 +52,8 @@ double moe_layer_ms(const graph::StepGraph& g, const StepTimeline& t);
 double expert_ms(const graph::StepGraph& g, const StepTimeline& t);
 // Expert weights this rank sent in the step's sparse collectives (replica gathers, replica gradients'
 // reduce back to the owners) and the time of the ops that sent them, waits for peers included: what
-// moving a replica costs on this rank's communication lanes (strategy::WeightsRate folds it in).
+// moving a replica costs on this rank's communication lanes (strategy::observe_weight_transfers folds
+// it in).
 struct WeightTransfers {
   double bytes = 0, seconds = 0;
 };
