@@ -17,10 +17,10 @@ namespace moe::plan {
 // ---- FasterMoE dynamic shadowing (fmoe/fastermoe/shadow_policy.py, "global_policy") ----
 // Every MoE forward, after the gate: shadow (broadcast to every rank) the hottest experts while its
 // latency model says the busiest worker's compute and token traffic shrink by more than the broadcast
-// costs. Taken from the code: unit costs, the latency formula, the greedy stop rule, and that one
-// expert is never shadowed (the loop ends one expert early). Changed: loads are summed over source
-// ranks (FastMoE v1 sums the wrong axis), and the latency is the busiest rank's where a rank holds
-// several experts (fastermoe_shadowed).
+// costs. Taken from the code: unit costs, the latency formula's terms, the greedy order by load, and
+// that one expert is never shadowed (the loop ends one expert early). Changed: loads are summed over
+// source ranks (FastMoE v1 sums the wrong axis), the latency is the busiest rank's where a rank holds
+// several experts, and the cheapest prefix of the order is kept (fastermoe_shadowed).
 
 // The model's inputs (all > 0 and finite but weights_bandwidth, >= 0).
 struct FasterMoeModel {
@@ -54,12 +54,12 @@ FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model);
 // Repeatedly the hottest expert not in S held by the busiest rank (ties: lower ids) joins S, until
 // that rank holds none with tokens or one expert is left; the shadowed set is the prefix of that
 // order with the lowest Lat (the fewest on ties). FasterMoE's code stops at the first k whose Lat does
-// not fall, which never shadows two equally hot experts of two ranks (each alone moves the maximum
-// to the other). FasterMoE's code also takes the hottest remaining expert's
-// L_e as the latency (Lat_k = (3 t_c + 4 t_f) L(k+1) + k t_m), the same where each rank holds one
-// expert, as in its paper, and a shadowed expert's own tokens are left out. Where ranks hold several
-// experts the busiest rank, not the busiest expert, bounds the step; under that rule FasterMoE ran
-// 3-7% slower than EP on an unskewed router (2 emulated hosts, 4 experts a rank, paired runs).
+// not fall, which over ranks never shadows two equally hot experts of two ranks (each alone moves the
+// maximum to the other). It also takes the hottest remaining expert's L_e as the latency
+// (Lat_k = (3 t_c + 4 t_f) L(k+1) + k t_m), the same where each rank holds one expert, as in its
+// paper, with a shadowed expert's own tokens left out. Where ranks hold several experts the busiest
+// rank, not the busiest expert, bounds the step; under the code's rule FasterMoE ran 4-7% slower than
+// EP on an unskewed router (2 emulated hosts, 4 experts a rank, medians of paired runs).
 // REQUIRES: owner valid for R ranks, counts [R][E] non-negative, model valid.
 std::vector<int> fastermoe_shadowed(const std::vector<int>& owner, const std::vector<std::vector<int64_t>>& counts,
                                     const FasterMoeModel& model);
