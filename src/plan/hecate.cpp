@@ -167,11 +167,9 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
     const std::vector<int64_t> received = received_tokens(rows);
     *remote = 0;
     for (int d = 0; d < R; ++d) {
-      int64_t from_others = 0;
-      for (int s = 0; s < R; ++s)
-        if (s != d)
-          for (int e = 0; e < E; ++e) from_others += rows[s][e][d];
-      *remote = std::max(*remote, from_others);
+      int64_t own = 0;  // d's tokens its own experts take
+      for (int e = 0; e < E; ++e) own += rows[d][e][d];
+      *remote = std::max(*remote, received[d] - own);
     }
     return *std::max_element(received.begin(), received.end());
   };

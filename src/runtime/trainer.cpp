@@ -501,16 +501,16 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   }
   f->moe_ms_per_rank = per_rank(all_rank_times, 0);
   f->expert_ms_per_rank = per_rank(all_rank_times, 1);
-  double times[6] = {br.compute_ms,   br.exposed_comm_ms,     br.comm_ms,
-                     br.allreduce_ms, br.allreduce_hidden_ms, mean_attention_ms(step_graph_.graph, timeline_)};
-  if (Status s = ranks_.sum(times, 6); !s) return s;
-  for (double& t : times) t /= ranks_.size;
+  // One sum over ranks: the first 6 averaged, the weights sent and their time kept as sums.
+  const runtime::WeightTransfers sent = runtime::weight_transfers(step_graph_.graph, timeline_);
+  double times[8] = {br.compute_ms,   br.exposed_comm_ms,     br.comm_ms,
+                     br.allreduce_ms, br.allreduce_hidden_ms, mean_attention_ms(step_graph_.graph, timeline_),
+                     sent.bytes,      sent.seconds};
+  if (Status s = ranks_.sum(times, 8); !s) return s;
+  for (int i = 0; i < 6; ++i) times[i] /= ranks_.size;
   f->compute_ms = times[0], f->exposed_comm_ms = times[1], f->comm_ms = times[2];
   f->allreduce_ms = times[3], f->allreduce_hidden_ms = times[4], f->attn_ms = times[5];
-  const runtime::WeightTransfers sent = runtime::weight_transfers(step_graph_.graph, timeline_);
-  double weights[2] = {sent.bytes, sent.seconds};
-  if (Status s = ranks_.sum(weights, 2); !s) return s;
-  f->weights = {weights[0], weights[1]};
+  f->weights = {times[6], times[7]};
   f->loss = model_->cross_entropy();
   if (ranks_.world) {
     if (Status s = ranks_.sum(&f->loss, 1); !s) return s;

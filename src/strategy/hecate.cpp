@@ -86,8 +86,8 @@ class Hecate : public Strategy {
   // time on the busiest rank and its row's 4 exchanges over the links.
   plan::CalibrationModel calibration_model() const {
     const int transfers = s_.cost.transfers_take_compute ? replica_transfers_per_step(s_.options.rematerialize) : 1;
-    const double row_bytes = static_cast<double>(s_.model.d_model) * sizeof(float);
-    const double exchange = s_.cost.network_bandwidth > 0 ? 4 * row_bytes / s_.cost.network_bandwidth : 0;
+    const double exchange =
+        s_.cost.network_bandwidth > 0 ? row_exchange_bytes(s_.model) / s_.cost.network_bandwidth : 0;
     return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers, exchange};
   }
 

@@ -17,7 +17,7 @@ class SmartMoe : public Strategy {
   explicit SmartMoe(const Setup& s)
       : reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100),
         predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), std::max(1, reshard_every_)),
-        d_model_(s.model.d_model),
+        row_bytes_(row_exchange_bytes(s.model)),
         world_(std::max(1, s.world)) {
     config_.interval = std::max(1, reshard_every_);
     update_cost(s.cost);
@@ -26,7 +26,7 @@ class SmartMoe : public Strategy {
   // forward and backward; all but 1/world of a rank's tokens come from other ranks): the swap's saving
   // is in both, and where the step waits on the all-to-all (every GPU preset) mostly in the second.
   void update_cost(const CostModel& c) override {
-    const double exchange_bytes = 4.0 * static_cast<double>(d_model_) * sizeof(float) * (world_ - 1) / world_;
+    const double exchange_bytes = row_bytes_ * (world_ - 1) / world_;
     config_.expert_seconds_per_token =
         c.expert_seconds_per_token + (c.network_bandwidth > 0 ? exchange_bytes / c.network_bandwidth : 0);
     config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
@@ -50,7 +50,7 @@ class SmartMoe : public Strategy {
  private:
   int reshard_every_ = 0;
   plan::LoadPredictor predictor_;
-  int64_t d_model_ = 0;
+  double row_bytes_ = 0;  // row_exchange_bytes(model)
   int world_ = 1;
   plan::SmartMoeConfig config_;
 };

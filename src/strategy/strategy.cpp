@@ -81,6 +81,10 @@ double expert_flops_per_token(const ModelConfig& model) {
   return 3 * 2 * mats * static_cast<double>(model.d_model * model.d_ffn);
 }
 
+double row_exchange_bytes(const ModelConfig& model) {
+  return 4.0 * static_cast<double>(model.d_model) * sizeof(float);
+}
+
 void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops) {
   c->gemm_flops = gemm_flops;
   c->expert_seconds_per_token = expert_flops_per_token(model) / gemm_flops;

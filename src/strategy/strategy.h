@@ -65,6 +65,9 @@ inline int replica_transfers_per_step(bool rematerialize) { return rematerialize
 CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gemm_flops);
 // FLOPs of one token through one of `model`'s experts, forward and backward (3 GEMM passes).
 double expert_flops_per_token(const ModelConfig& model);
+// Bytes one token's row moves between ranks in a step when its expert is elsewhere: dispatch and
+// combine, forward and backward (4 exchanges of d_model floats).
+double row_exchange_bytes(const ModelConfig& model);
 // c's GEMM rate and what follows from it (expert_seconds_per_token); the rest of c is kept.
 // REQUIRES: gemm_flops > 0.
 void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops);
