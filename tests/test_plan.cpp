@@ -533,6 +533,33 @@ TEST(Hecate, CalibrationGathersOnlyWhenItPays) {
   EXPECT_THROW(calibrate(in_force, counts, 1, 1, nodes, CalibrationModel{0, 1e5, 1000}), std::logic_error);
 }
 
+// Two equally hot experts: Alg. 1 with t = 1 copies expert 0 everywhere, which leaves rank 1 with all of
+// expert 1's tokens and adds its own share of expert 0 (busiest 400 -> 500: no gather). The
+// calibration goes on to t' = 2, both experts on every rank, each rank computing its own 200.
+TEST(Hecate, CalibrationWidensAlgOneWhileTheGatherPays) {
+  const LayerPlacement in_force = even_placement(4, 4);
+  Counts counts(4, std::vector<int64_t>{100, 100, 0, 0});
+  const Nodes nodes = uniform_nodes(4, 4);
+  const CalibrationModel model{1e-3, 1e5, 1000};  // one expert: 0.01 s; a token: 1 ms
+  EXPECT_FALSE(price_placement(in_force, sparse_materialize(in_force, {400, 400, 0, 0}, 1, 2, nodes), counts, nodes,
+                               model)
+                   .gather);
+  Calibration c = calibrate(in_force, counts, 1, 2, nodes, model);
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.busiest_before, 400);
+  EXPECT_EQ(c.busiest_after, 200);
+  EXPECT_EQ(c.gather_bytes, 2000);
+  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.2);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(c.placement.replicas[1], (std::vector<int>{0, 1, 2, 3}));
+  // Experts 2 and 3 have no tokens: never a candidate, however cheap the gather.
+  EXPECT_EQ(c.placement.replicas[2], (std::vector<int>{2}));
+  // The second expert's gather dearer than what it saves: nothing pays.
+  c = calibrate(in_force, counts, 1, 2, nodes, CalibrationModel{1e-3, 1e4, 1000});  // 0.2 s a rank
+  EXPECT_FALSE(c.gather);
+  expect_same(c.placement, in_force);
+}
+
 // Before the gate Hecate prices Alg. 1's plan with the calibration's price, the predicted loads spread
 // evenly over the source ranks.
 TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {

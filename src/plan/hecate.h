@@ -93,7 +93,11 @@ struct Calibration {
 
 // Calibration after the gate (§4.2): re-runs Alg. 1 on the placement in force with the actual loads
 // (L_e = sum over s of counts[s][e]) and the remaining memory (m minus the extras in force, as
-// sparse_materialize counts them), then prices the result. Cost model:
+// sparse_materialize counts them), then prices the result; once for each t' from t up to the number
+// of experts with tokens, keeping the gathering placement with the largest saved_seconds -
+// gather_seconds (the smallest t' on ties; t's own result when none gathers). The overlap degree
+// bounds what hides behind attention; this gather is on the critical path, so its price bounds it
+// (the paper re-runs Alg. 1 without saying with which t). Cost model:
 //   busiest(P)      = max over ranks d of the tokens dispatch_plan(P, nodes, counts) sends to d
 //   remote(P)       = max over ranks d of the tokens it receives from other ranks
 //   saved_seconds   = (busiest(in force) - busiest(calibrated)) * expert_seconds_per_token
@@ -107,8 +111,8 @@ struct Calibration {
 // the backward's re-gather and the SparseReduceScatter of the extra replicas hide behind attention
 // backward (§3.2); where they cannot hide, the caller counts them. The all-to-alls a better balance
 // also shortens count through exchange_seconds_per_token (0: left out, erring towards not gathering).
-// t: the experts Alg. 1 considers (the overlap degree, as in the overlapped run; pass E to consider
-// all). counts [R][E] as in dispatch_plan. REQUIRES: those of sparse_materialize and dispatch_plan,
+// t: the fewest experts Alg. 1 considers (the overlap degree, as in the overlapped run).
+// counts [R][E] as in dispatch_plan. REQUIRES: those of sparse_materialize and dispatch_plan,
 // model fields > 0 and finite.
 Calibration calibrate(const LayerPlacement& in_force, const std::vector<std::vector<int64_t>>& counts, int t,
                       int m, const Nodes& nodes, const CalibrationModel& model);
