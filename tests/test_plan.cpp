@@ -560,6 +560,33 @@ TEST(Hecate, CalibrationWidensAlgOneWhileTheGatherPays) {
   expect_same(c.placement, in_force);
 }
 
+// Before the gate on CPU ranks Hecate takes Alg. 1 with the cheapest t' <= t. Two hosts of one rank,
+// experts 0-1 on rank 0, 2-3 on rank 1, loads {300, 60, 20, 20} from both sources alike: rank 0
+// computes 360. t = 2 copies experts 0 and 1 to rank 1, which then computes its own 180 and all 40 of
+// experts 2-3: busiest 220. t' = 1 copies expert 0 alone: rank 0 computes 150 + 60 = 210, rank 1
+// 150 + 40 = 190; fewer tokens on the busiest rank for one expert's gather instead of two.
+TEST(Hecate, TheCheapestMaterializationCanStopBeforeT) {
+  const LayerPlacement owners = even_placement(4, 2);
+  const std::vector<double> load{300, 60, 20, 20};
+  const Counts counts = even_counts(load, 2);
+  const Nodes nodes = uniform_nodes(2, 1);
+  const CalibrationModel model{1e-3, 1e5, 1000};  // one expert: 0.01 s; a token: 1 ms
+  const Calibration at_t = price_placement(owners, sparse_materialize(owners, load, 2, 2, nodes), counts, nodes, model);
+  ASSERT_TRUE(at_t.gather);
+  EXPECT_EQ(at_t.busiest_after, 220);
+  Calibration c = cheapest_materialization(owners, load, counts, 0, 2, 2, nodes, model);
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.busiest_before, 360);
+  EXPECT_EQ(c.busiest_after, 210);
+  EXPECT_EQ(c.gather_bytes, 1000);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(c.placement.replicas[1], (std::vector<int>{0}));
+  // t_max = 0: Alg. 1 copies nothing, nothing to price.
+  c = cheapest_materialization(owners, load, counts, 0, 0, 2, nodes, model);
+  EXPECT_FALSE(c.gather);
+  expect_same(c.placement, owners);
+}
+
 // Before the gate Hecate prices Alg. 1's plan with the calibration's price, the predicted loads spread
 // evenly over the source ranks.
 TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {

@@ -122,9 +122,10 @@ TEST(StrategyDecisions, HecateReplicatesTheHotExpertItPredicts) {
   EXPECT_EQ(h->replica_slots(), 2);  // E / R
 }
 
-// On CPU ranks the replicas' transfers take the compute's cores, so Alg. 1's plan is kept only when
-// the saving (the busiest rank's expert time, and the exchanges of rows the replicas keep home, at the
-// links' bandwidth) beats the gather and the gradient's reduce-scatter together.
+// On CPU ranks the replicas' transfers take the compute's cores, so of Alg. 1's plans for t' = 0..t
+// Hecate keeps the one whose saving (the busiest rank's expert time, and the exchanges of rows the
+// replicas keep home, at the links' bandwidth) beats the gather and the gradient's reduce-scatter
+// together by the most, and nothing when none does.
 TEST(StrategyDecisions, HecateOnCpuRanksPaysForTheGatherAndTheReduceScatter) {
   strategy::Setup s = setup(4);
   const LayerPlacement owners = moe::plan::even_placement(8, 4);
@@ -133,28 +134,49 @@ TEST(StrategyDecisions, HecateOnCpuRanksPaysForTheGatherAndTheReduceScatter) {
     h->observe(skewed(2, 8), strategy::StepTimes{attention_for(4, with.cost)});
     return h->before_step(0, owners).value();
   };
-  const LayerPlacement planned = planned_by(s);  // GPU ranks: Alg. 1's plan as it stands
-  ASSERT_NE(planned.replicas, owners.replicas);
+  const LayerPlacement planned = planned_by(s);  // GPU ranks: Alg. 1's plan with t = 4 as it stands
   const std::vector<int64_t> row = skewed(1, 8)[0];
   const std::vector<double> load(row.begin(), row.end());
+  ASSERT_EQ(planned.replicas, moe::plan::sparse_materialize(owners, load, 4, 2, s.nodes).replicas);
+  // Each t' priced once with one transfer; with n transfers at bandwidth bw its net saving is
+  // saved - n * gather_bytes / bw (the saving does not depend on the weights' bandwidth).
   const double exchange = 4.0 * static_cast<double>(s.model.d_model) * 4 / s.cost.network_bandwidth;
-  const moe::plan::Calibration one = moe::plan::price_placement(
-      owners, planned, moe::plan::even_counts(load, 4), s.nodes,
-      {s.cost.expert_seconds_per_token, s.cost.bandwidth, s.cost.expert_bytes, 1, exchange});
-  ASSERT_GT(one.remote_before, one.remote_after);
-  ASSERT_GT(one.saved_seconds, 0);
-  ASSERT_GT(one.gather_bytes, 0);
+  std::vector<LayerPlacement> plans;
+  std::vector<moe::plan::Calibration> priced;
+  for (int t = 0; t <= 4; ++t) {
+    plans.push_back(moe::plan::sparse_materialize(owners, load, t, 2, s.nodes));
+    priced.push_back(moe::plan::price_placement(owners, plans.back(), moe::plan::even_counts(load, 4), s.nodes,
+                                                {s.cost.expert_seconds_per_token, s.cost.bandwidth,
+                                                 s.cost.expert_bytes, 1, exchange}));
+  }
+  auto best_of = [&](int n, double bw) {
+    LayerPlacement best = owners;
+    double best_net = 0;
+    for (size_t t = 0; t < plans.size(); ++t) {
+      const double net = priced[t].saved_seconds - n * static_cast<double>(priced[t].gather_bytes) / bw;
+      if (net > best_net) best = plans[t], best_net = net;
+    }
+    return best;
+  };
+  double nothing_pays = 1e300;  // below this bandwidth no t' saves more than two transfers take
+  for (const auto& c : priced)
+    if (c.gather_bytes > 0 && c.saved_seconds > 0)
+      nothing_pays = std::min(nothing_pays, 2 * static_cast<double>(c.gather_bytes) / c.saved_seconds);
+  ASSERT_LT(nothing_pays, 1e300);
 
   s.cost.transfers_take_compute = true;
-  // One transfer would take 3/4 of the saving, the two take 3/2: nothing gathered.
-  s.cost.bandwidth = static_cast<double>(one.gather_bytes) / (0.75 * one.saved_seconds);
+  s.cost.bandwidth = 0.9 * nothing_pays;
   EXPECT_EQ(planned_by(s).replicas, owners.replicas);
-  // Two transfers in 4/5 of the saving: the plan stands.
-  s.cost.bandwidth = static_cast<double>(one.gather_bytes) / (0.4 * one.saved_seconds);
-  EXPECT_EQ(planned_by(s).replicas, planned.replicas);
-  // Rematerialization gathers again for the backward: three transfers, 6/5 of the saving.
-  s.options.rematerialize = true;
-  EXPECT_EQ(planned_by(s).replicas, owners.replicas);
+  for (double factor : {1.5, 3.0, 10.0, 1000.0}) {
+    s.cost.bandwidth = factor * nothing_pays;
+    s.options.rematerialize = false;
+    const LayerPlacement two = planned_by(s);
+    EXPECT_EQ(two.replicas, best_of(2, s.cost.bandwidth).replicas) << "bandwidth x" << factor;
+    EXPECT_NE(two.replicas, owners.replicas) << "bandwidth x" << factor;
+    // Rematerialization gathers again for the backward: three transfers.
+    s.options.rematerialize = true;
+    EXPECT_EQ(planned_by(s).replicas, best_of(3, s.cost.bandwidth).replicas) << "bandwidth x" << factor;
+  }
 }
 
 TEST(StrategyDecisions, HecateTakesItsOverlapDegreeFromTheInterNodeBandwidth) {

@@ -144,12 +144,16 @@ Calibration calibrate(const LayerPlacement& in_force, const std::vector<std::vec
   std::vector<double> actual(E, 0.0);
   for (int s = 0; s < R; ++s)
     for (int e = 0; e < E; ++e) actual[e] += static_cast<double>(counts[s][e]);
-  // Alg. 1 once per candidate t' (t, t + 1, ... up to the experts with tokens); the gather is on the
-  // critical path here, so its price, not the overlap, decides how far to go.
-  const int loaded = static_cast<int>(std::count_if(actual.begin(), actual.end(), [](double l) { return l > 0; }));
-  Calibration best = price_placement(in_force, sparse_materialize(in_force, actual, t, m, nodes), counts, nodes, model);
-  for (int wider = t + 1; wider <= loaded; ++wider) {
-    Calibration c = price_placement(in_force, sparse_materialize(in_force, actual, wider, m, nodes), counts, nodes, model);
+  return cheapest_materialization(in_force, actual, counts, t, E, m, nodes, model);
+}
+
+Calibration cheapest_materialization(const LayerPlacement& base, const std::vector<double>& load,
+                                     const std::vector<std::vector<int64_t>>& counts, int t_min, int t_max, int m,
+                                     const Nodes& nodes, const CalibrationModel& model) {
+  const int loaded = static_cast<int>(std::count_if(load.begin(), load.end(), [](double l) { return l > 0; }));
+  Calibration best = price_placement(base, sparse_materialize(base, load, t_min, m, nodes), counts, nodes, model);
+  for (int t = t_min + 1; t <= std::min(t_max, loaded); ++t) {
+    Calibration c = price_placement(base, sparse_materialize(base, load, t, m, nodes), counts, nodes, model);
     if (c.gather && (!best.gather || c.saved_seconds - c.gather_seconds > best.saved_seconds - best.gather_seconds))
       best = std::move(c);
   }

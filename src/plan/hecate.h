@@ -125,6 +125,16 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
                             const std::vector<std::vector<int64_t>>& counts, const Nodes& nodes,
                             const CalibrationModel& model);
 
+// Alg. 1 on base for each t' from t_min to t_max (cut to the experts with load > 0), each priced by
+// price_placement against base over counts: the gathering placement with the largest saved_seconds -
+// gather_seconds (the smallest t' on ties), else t_min's price (gather false). calibrate is this
+// with base = the placement in force, t_min = t, t_max = E; Hecate's overlapped gather on CPU ranks
+// with base = the owners, t_min = 0, t_max = t and the predicted loads' even_counts. REQUIRES: those
+// of sparse_materialize and price_placement, 0 <= t_min.
+Calibration cheapest_materialization(const LayerPlacement& base, const std::vector<double>& load,
+                                     const std::vector<std::vector<int64_t>>& counts, int t_min, int t_max, int m,
+                                     const Nodes& nodes, const CalibrationModel& model);
+
 // Predicted loads as counts [R][E]: load[e] spread evenly over the R source ranks (rounded down, the
 // remainder on the lowest ranks), what price_placement needs before the gate has run. REQUIRES:
 // R >= 1, loads >= 0 and finite.

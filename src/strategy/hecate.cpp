@@ -38,18 +38,18 @@ class Hecate : public Strategy {
     opt->gather_after_gate = true;  // the calibration's second gather, when it pays
     opt->rematerialize = s_.options.rematerialize;
   }
-  // Alg. 1 on the predicted loads. Where transfers take the compute's cores (CPU ranks), kept only
-  // when it pays: the predicted saving on the busiest rank must beat the gather, priced as the
-  // calibration prices its second gather (plan::price_placement, the predicted loads spread evenly
-  // over the source ranks). A deviation from the paper, whose Alg. 1 always gathers the top-t experts:
-  // behind the attention the gather costs no step time on a GPU, but on CPU ranks it takes the same
-  // cores, and without skew (a trained router is ~1.3x uneven) it was measured to cost more than it
-  // saved (docs/strategies.md).
+  // Alg. 1 on the predicted loads. Where transfers take the compute's cores (CPU ranks), Alg. 1 with
+  // the t' <= t whose predicted saving beats its gather by the most, priced as the calibration prices
+  // its second gather (plan::cheapest_materialization, the predicted loads spread evenly over the
+  // source ranks), or nothing when none pays. A deviation from the paper, whose Alg. 1 always gathers
+  // the top-t experts: behind the attention the gather costs no step time on a GPU, but on CPU ranks
+  // it takes the same cores; without skew (a trained router is ~1.3x uneven) it was measured to cost
+  // more than it saved, and under skew the t-th expert to cost more than it saved (docs/strategies.md).
   std::optional<plan::LayerPlacement> before_step(int layer, const plan::LayerPlacement& owners) override {
     const std::vector<double> load = predictor_.predict(layer);
-    plan::LayerPlacement p = plan::sparse_materialize(owners, load, t_, slots_, s_.nodes);
-    if (!s_.cost.transfers_take_compute || p.replicas == owners.replicas) return p;
-    return plan::price_placement(owners, p, plan::even_counts(load, owners.n_ranks), s_.nodes, calibration_model())
+    if (!s_.cost.transfers_take_compute) return plan::sparse_materialize(owners, load, t_, slots_, s_.nodes);
+    return plan::cheapest_materialization(owners, load, plan::even_counts(load, owners.n_ranks), 0, t_, slots_,
+                                          s_.nodes, calibration_model())
         .placement;
   }
   bool after_gate(int layer, const plan::LayerPlacement& owners, const plan::LayerPlacement& in_force,
