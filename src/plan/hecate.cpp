@@ -63,6 +63,46 @@ int place_replicas(LayerPlacement& p, int expert, int n, std::vector<int>& free,
 
 int saturate(double x) { return x >= static_cast<double>(INT_MAX) ? INT_MAX : static_cast<int>(x); }
 
+
+// The busiest rank's tokens under p, and the most any rank receives from the others.
+struct RankLoad {
+  int64_t busiest = 0, remote = 0;
+};
+RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts) {
+  const auto rows = dispatch_plan(p, nodes, counts);
+  const std::vector<int64_t> received = received_tokens(rows);
+  RankLoad l;
+  for (int d = 0; d < p.n_ranks; ++d) {
+    int64_t own = 0;  // d's tokens its own experts take
+    for (int e = 0; e < p.n_experts(); ++e) own += rows[d][e][d];
+    l.remote = std::max(l.remote, received[d] - own);
+  }
+  l.busiest = *std::max_element(received.begin(), received.end());
+  return l;
+}
+
+// price_placement's price of calibrated, in_force's load already known. REQUIRES: those of
+// price_placement, before == rank_load(in_force, nodes, counts).
+Calibration price_against(const LayerPlacement& in_force, RankLoad before, const LayerPlacement& calibrated,
+                          const std::vector<std::vector<int64_t>>& counts, const Nodes& nodes,
+                          const CalibrationModel& model) {
+  Calibration c;
+  c.busiest_before = before.busiest, c.remote_before = before.remote;
+  const RankLoad after = rank_load(calibrated, nodes, counts);
+  c.busiest_after = after.busiest, c.remote_after = after.remote;
+  std::vector<int64_t> gained(in_force.n_ranks, 0);
+  for (int e = 0; e < in_force.n_experts(); ++e)
+    for (int r : calibrated.replicas[e])
+      if (!in_force.holds(r, e)) ++gained[r];
+  c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
+  c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
+                    static_cast<double>(c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
+  c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;
+  c.gather = c.saved_seconds > c.gather_seconds;
+  c.placement = c.gather ? calibrated : in_force;
+  return c;
+}
+
 }  // namespace
 
 int overlap_degree(double non_moe_seconds, double bandwidth, int64_t expert_bytes) {
@@ -152,8 +192,9 @@ Calibration cheapest_materialization(const LayerPlacement& base, const std::vect
                                      const Nodes& nodes, const CalibrationModel& model) {
   const int loaded = static_cast<int>(std::count_if(load.begin(), load.end(), [](double l) { return l > 0; }));
   Calibration best = price_placement(base, sparse_materialize(base, load, t_min, m, nodes), counts, nodes, model);
+  const RankLoad before{best.busiest_before, best.remote_before};  // base's, the same for every t'
   for (int t = t_min + 1; t <= std::min(t_max, loaded); ++t) {
-    Calibration c = price_placement(base, sparse_materialize(base, load, t, m, nodes), counts, nodes, model);
+    Calibration c = price_against(base, before, sparse_materialize(base, load, t, m, nodes), counts, nodes, model);
     if (c.gather && (!best.gather || c.saved_seconds - c.gather_seconds > best.saved_seconds - best.gather_seconds))
       best = std::move(c);
   }
@@ -174,32 +215,7 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
       model.transfers_per_replica < 1 || !std::isfinite(model.exchange_seconds_per_token) ||
       model.exchange_seconds_per_token < 0)
     violated(kWhere, "CalibrationModel fields must be positive and finite");
-  // The busiest rank's tokens, and the most any rank receives from the others.
-  auto busiest = [&](const LayerPlacement& p, int64_t* remote) {
-    const auto rows = dispatch_plan(p, nodes, counts);
-    const std::vector<int64_t> received = received_tokens(rows);
-    *remote = 0;
-    for (int d = 0; d < R; ++d) {
-      int64_t own = 0;  // d's tokens its own experts take
-      for (int e = 0; e < E; ++e) own += rows[d][e][d];
-      *remote = std::max(*remote, received[d] - own);
-    }
-    return *std::max_element(received.begin(), received.end());
-  };
-  Calibration c;
-  c.busiest_before = busiest(in_force, &c.remote_before);
-  c.busiest_after = busiest(calibrated, &c.remote_after);
-  std::vector<int64_t> gained(R, 0);
-  for (int e = 0; e < E; ++e)
-    for (int r : calibrated.replicas[e])
-      if (!in_force.holds(r, e)) ++gained[r];
-  c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
-  c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
-                    static_cast<double>(c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
-  c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;
-  c.gather = c.saved_seconds > c.gather_seconds;
-  c.placement = c.gather ? calibrated : in_force;
-  return c;
+  return price_against(in_force, rank_load(in_force, nodes, counts), calibrated, counts, nodes, model);
 }
 
 std::vector<std::vector<int64_t>> even_counts(const std::vector<double>& load, int R) {
