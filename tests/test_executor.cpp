@@ -522,28 +522,56 @@ TEST(Breakdown, MatchesAHandComputedTimeline) {
 
 // The weights a rank sent in the step's sparse collectives and the time of the ops that sent them:
 // an op that only received (0 bytes sent), another collective and an op that never ran are left out.
-TEST(WeightTransfers, SumsTheSparseOpsThatSentWeights) {
+TEST(WeightTransfers, ARanksPartIsItsSparseOpsInGraphOrder) {
   StepGraph g;
   const int gather = g.add_stream("gather", true);
-  auto sparse = [&](OpKind kind, Collective c, int64_t bytes) {
+  auto sparse = [&](OpKind kind, Collective c, int64_t sent, int64_t received) {
     Op op;
     op.kind = kind;
     op.stream = gather;
     op.collective = c;
-    op.cost.bytes = bytes;
+    op.cost.bytes = sent;
+    op.cost.bytes_received = received;
     g.add(op);
   };
-  sparse(OpKind::materialize, Collective::sparse_allgather, 3000000);
-  sparse(OpKind::materialize_placed, Collective::sparse_allgather, 0);  // only received
-  sparse(OpKind::replica_grad_reduce, Collective::sparse_reduce_scatter, 1000000);
-  sparse(OpKind::grad_allreduce, Collective::allreduce, 5000000);
-  sparse(OpKind::materialize, Collective::sparse_allgather, 7000000);  // never ran
+  sparse(OpKind::materialize, Collective::sparse_allgather, 3000000, 0);
+  sparse(OpKind::grad_allreduce, Collective::allreduce, 5000000, 0);  // not a sparse collective
+  sparse(OpKind::materialize_placed, Collective::sparse_allgather, 0, 2000000);
+  sparse(OpKind::replica_grad_reduce, Collective::sparse_reduce_scatter, 7000000, 0);  // never ran
   constexpr int64_t kMsNs = 1000000;
   StepTimeline t;
-  t.spans = {{0, 2 * kMsNs}, {2 * kMsNs, 9 * kMsNs}, {10 * kMsNs, 12 * kMsNs}, {0, 50 * kMsNs}, {-1, -1}};
-  const WeightTransfers w = weight_transfers(g, t);
-  EXPECT_DOUBLE_EQ(w.bytes, 4e6);
-  EXPECT_DOUBLE_EQ(w.seconds, 4e-3);
+  t.spans = {{0, 2 * kMsNs}, {0, 50 * kMsNs}, {2 * kMsNs, 9 * kMsNs}, {-1, -1}};
+  const std::vector<SparseOpPart> parts = sparse_op_parts(g, t);
+  ASSERT_EQ(parts.size(), 3u);
+  EXPECT_DOUBLE_EQ(parts[0].seconds, 2e-3);
+  EXPECT_DOUBLE_EQ(parts[0].sent, 3e6);
+  EXPECT_DOUBLE_EQ(parts[0].received, 0);
+  EXPECT_DOUBLE_EQ(parts[1].seconds, 7e-3);
+  EXPECT_DOUBLE_EQ(parts[1].sent, 0);
+  EXPECT_DOUBLE_EQ(parts[1].received, 2e6);
+  EXPECT_EQ(parts[2].seconds, -1);
+  EXPECT_EQ(parts[2].sent, 0);
+}
+
+TEST(WeightTransfers, EachOpRunsAtTheRateOfTheRankThatWaitedLeast) {
+  // Three ranks, four sparse ops:
+  //  0: rank 0 sends 4 MB to rank 1. Rank 0 reached the op first and waited: 10 ms; rank 1 took 2
+  //     ms: 2 GB/s. Rank 2, not in it, returned at once (0.1 ms): no participant.
+  //  1: ranks 1 and 2 send 1 MB each to rank 0, which received its 2 MB in 1 ms (2 GB/s, one
+  //     direction of its link); rank 1 took 4 ms, rank 2 2 ms: 2 GB/s.
+  //  2: rank 2 would have sent 9 MB, but no rank ran it.
+  //  3: ran everywhere, moved nothing.
+  const std::vector<std::vector<SparseOpPart>> parts = {
+      {{10e-3, 4e6, 0}, {1e-3, 0, 2e6}, {-1, 0, 0}, {1e-3, 0, 0}},
+      {{2e-3, 0, 4e6}, {4e-3, 1e6, 0}, {-1, 0, 0}, {1e-3, 0, 0}},
+      {{0.1e-3, 0, 0}, {2e-3, 1e6, 0}, {-1, 0, 0}, {1e-3, 0, 0}},
+  };
+  const WeightTransfers w = weight_transfers(parts);
+  EXPECT_DOUBLE_EQ(w.bytes, 6e6);
+  EXPECT_DOUBLE_EQ(w.seconds, 4e6 / 2e9 + 2e6 / 2e9);
+  // (Read as the senders' time, waits included, it was 6 MB in 16 ms: 0.375 GB/s.)
+  EXPECT_EQ(weight_transfers({}).bytes, 0);
+  EXPECT_THROW(weight_transfers({parts[0], {parts[1][0]}}), std::logic_error);
 }
 
 TEST(Trace, RecordsRoundTripAndAFailedWriteLeavesNothing) {

@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -302,7 +304,12 @@ TEST(SimStrategies, HecateReshardsWithAlg2EveryNSteps) {
 // move half-way to the rate that step's sparse collectives achieved (bytes sent over the time of the
 // ops that sent them, all ranks; summed here from the trace); --link-gbs keeps it.
 TEST(SimStrategies, WeightsBandwidthFollowsTheSimulatedTransfers) {
+  // Two ranks, so that what one rank sends in a sparse op is what the other receives: the trace
+  // (sent bytes and times per rank and op) then says everything runtime::weight_transfers reads.
   SimRunConfig cfg = run_config("hecate", "zipf:1.2");
+  cfg.ranks = cfg.ep_size = 2;
+  cfg.batch = 16;
+  cfg.steps = 6;
   cfg.placement.overlap_degree = 4;
   cfg.keep_trace = true;
   SimRunResult r;
@@ -310,15 +317,24 @@ TEST(SimStrategies, WeightsBandwidthFollowsTheSimulatedTransfers) {
   EXPECT_DOUBLE_EQ(r.steps[0].placement.weights_gbs, placement_bandwidth(Cluster(cfg.cluster)) / 1e9);
   int moved = 0;
   for (size_t s = 0; s + 1 < r.steps.size(); ++s) {
-    double bytes = 0, seconds = 0;
+    std::map<int64_t, std::array<const runtime::TraceRecord*, 2>> by_op;  // the step's sparse ops
     for (const runtime::TraceRecord& rec : r.trace) {
       const graph::Op& op = r.graph.ops.at(rec.op);
-      if (rec.step != static_cast<int64_t>(s) + 1 || rec.bytes <= 0 ||
-          (op.collective != graph::Collective::sparse_allgather &&
-           op.collective != graph::Collective::sparse_reduce_scatter))
-        continue;
-      bytes += static_cast<double>(rec.bytes);
-      seconds += 1e-9 * static_cast<double>(rec.end_ns - rec.start_ns);
+      if (rec.step == static_cast<int64_t>(s) + 1 && (op.collective == graph::Collective::sparse_allgather ||
+                                                      op.collective == graph::Collective::sparse_reduce_scatter))
+        by_op[rec.op][rec.rank] = &rec;
+    }
+    double bytes = 0, seconds = 0;
+    for (const auto& [op, ranks] : by_op) {
+      ASSERT_TRUE(ranks[0] && ranks[1]) << "op " << op << " of step " << s + 1 << " ran on one rank only";
+      const double sent = static_cast<double>(ranks[0]->bytes + ranks[1]->bytes);
+      double rate = 0;
+      for (int me : {0, 1}) {
+        const double moved_here = static_cast<double>(std::max(ranks[me]->bytes, ranks[1 - me]->bytes));
+        const double t = 1e-9 * static_cast<double>(ranks[me]->end_ns - ranks[me]->start_ns);
+        if (moved_here > 0 && t > 0) rate = std::max(rate, moved_here / t);
+      }
+      if (sent > 0 && rate > 0) bytes += sent, seconds += sent / rate;
     }
     const double before = r.steps[s].placement.weights_gbs;
     const double expected = bytes > 0 ? 0.5 * before + 0.5 * bytes / seconds / 1e9 : before;

@@ -340,6 +340,8 @@ TEST(RuntimeStrategy, WeightsBandwidthFollowsTheStepsTransfersUnlessGiven) {
   EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 5e9);
   measured.refresh_weights_rate(1e6, 0.001);  // 1 GB/s
   EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 3e9);
+  measured.refresh_weights_rate(1e7, 0.001);  // 10 GB/s, faster than the fastest link: read as 8
+  EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 5.5e9);
   measured.refresh_links({1e-5, 8e9}, {});  // a link refresh starts over from the links
   EXPECT_DOUBLE_EQ(measured.cost_model().bandwidth, 8e9);
 }

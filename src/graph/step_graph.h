@@ -92,6 +92,8 @@ struct Cost {
   // Communication: bytes this rank sends to each rank of the group, indexed by group rank (empty
   // when not known yet, or for collectives whose flows follow from `bytes` and the algorithm).
   std::vector<int64_t> peer_bytes;
+  // Sparse collectives: bytes this rank receives (what its peers' peer_bytes send it); 0 elsewhere.
+  int64_t bytes_received = 0;
 };
 
 struct Op {

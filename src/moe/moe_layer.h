@@ -247,8 +247,10 @@ class MoeLayer {
   // moments.size() == expert_params().size() with tensors of the params' shapes (std::logic_error).
   int reshard(const std::vector<int>& new_owner, const std::vector<std::pair<Tensor*, Tensor*>>& moments);
   std::vector<Param*> expert_params();  // w1, w2 (, w3 for SwiGLU)
-  // Bytes this rank sent to each ep rank in the last ep_materialize / ep_reduce_replica_grads.
+  // Bytes this rank sent to each ep rank, and received, in the last ep_materialize /
+  // ep_reduce_replica_grads.
   const std::vector<int64_t>& sparse_peer_bytes() const { return sparse_peer_bytes_; }
+  int64_t sparse_received_bytes() const { return sparse_received_bytes_; }
   // Bytes this rank sent + received in sparse collectives since the last call (then reset).
   int64_t take_sparse_bytes();
   // Bytes held in this layer's replica weights and gradient buffers now.
@@ -317,6 +319,7 @@ class MoeLayer {
   int64_t slot_capacity_ = 0;
   std::vector<float> reduce_scratch_;
   std::vector<int64_t> sparse_peer_bytes_;
+  int64_t sparse_received_bytes_ = 0;  // by this rank in the last sparse collective
   int64_t sparse_bytes_ = 0, replica_bytes_ = 0;
   ReplicaMemory* memory_ = nullptr;
   comm::Communicator* gather_ = nullptr;

@@ -123,6 +123,7 @@ std::vector<float*> MoeLayer::chunk_pointers(bool grads) {
 void MoeLayer::ep_materialize() {
   if (!gather_) throw std::logic_error("MoeLayer::ep_materialize: REQUIRES enable_placements");
   sparse_peer_bytes_.assign(ep_->size(), 0);
+  sparse_received_bytes_ = 0;
   // What is held afterwards: the placement, and the replicas held now that it does not use (none in
   // training, where set_placement keeps every held replica; a cache in inference).
   plan::LayerPlacement target = placement_;
@@ -163,11 +164,13 @@ void MoeLayer::ep_materialize() {
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
   std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
+  sparse_received_bytes_ = comm::bytes_received(plan, me, chunk_bytes);
   held_ = std::move(target);
 }
 
 void MoeLayer::ep_reduce_replica_grads() {
   sparse_peer_bytes_.assign(ep_->size(), 0);
+  sparse_received_bytes_ = 0;
   if (held_.replicas == owners_.replicas) return;  // no replica: nothing to send home
   const int me = ep_->rank(), R = ep_->size();
   const int W = cfg_.activation == Activation::swiglu ? 3 : 2;
@@ -180,6 +183,7 @@ void MoeLayer::ep_reduce_replica_grads() {
   sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
   const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
   std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
+  sparse_received_bytes_ = comm::bytes_received(plan, me, chunk_bytes);
 }
 
 void MoeLayer::retain_replicas(const plan::LayerPlacement& keep) {

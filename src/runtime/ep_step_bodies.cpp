@@ -65,6 +65,7 @@ Status EpStepBodies::run(Op& op) {
     op.cost.peer_bytes = moe->sparse_peer_bytes();
     op.cost.bytes = 0;
     for (int64_t b : op.cost.peer_bytes) op.cost.bytes += b;
+    op.cost.bytes_received = moe->sparse_received_bytes();
   };
   auto expert_flops = [&](double passes, int64_t rows) {
     const MoeConfig& c = moe->config();

@@ -120,15 +120,42 @@ double expert_ms(const graph::StepGraph& g, const StepTimeline& t) {
   return ms;
 }
 
-WeightTransfers weight_transfers(const graph::StepGraph& g, const StepTimeline& t) {
-  WeightTransfers w;
+std::vector<SparseOpPart> sparse_op_parts(const graph::StepGraph& g, const StepTimeline& t) {
+  std::vector<SparseOpPart> parts;
   for (const graph::Op& op : g.ops) {
+    if (op.collective != graph::Collective::sparse_allgather &&
+        op.collective != graph::Collective::sparse_reduce_scatter)
+      continue;
     const OpSpan& sp = t.spans.at(op.id);
-    const bool sparse = op.collective == graph::Collective::sparse_allgather ||
-                        op.collective == graph::Collective::sparse_reduce_scatter;
-    if (!sparse || op.cost.bytes <= 0 || sp.end_ns < 0) continue;  // a rank that only receives: its peers count
-    w.bytes += static_cast<double>(op.cost.bytes);
-    w.seconds += 1e-9 * static_cast<double>(sp.end_ns - sp.start_ns);
+    SparseOpPart p;
+    if (sp.end_ns >= 0) {
+      p.seconds = 1e-9 * static_cast<double>(sp.end_ns - sp.start_ns);
+      p.sent = static_cast<double>(op.cost.bytes);
+      p.received = static_cast<double>(op.cost.bytes_received);
+    }
+    parts.push_back(p);
+  }
+  return parts;
+}
+
+WeightTransfers weight_transfers(const std::vector<std::vector<SparseOpPart>>& parts) {
+  WeightTransfers w;
+  if (parts.empty()) return w;
+  const size_t ops = parts[0].size();
+  for (const auto& rank_parts : parts)
+    if (rank_parts.size() != ops) throw std::logic_error("weight_transfers: REQUIRES every rank's parts of one size");
+  for (size_t o = 0; o < ops; ++o) {
+    double sent = 0, rate = 0;
+    for (const auto& rank_parts : parts) {
+      const SparseOpPart& p = rank_parts[o];
+      if (p.seconds < 0) continue;
+      sent += p.sent;
+      const double moved = std::max(p.sent, p.received);
+      if (moved > 0 && p.seconds > 0) rate = std::max(rate, moved / p.seconds);
+    }
+    if (sent <= 0 || rate <= 0) continue;
+    w.bytes += sent;
+    w.seconds += sent / rate;
   }
   return w;
 }

@@ -50,14 +50,27 @@ StepBreakdown breakdown(const graph::StepGraph& g, const StepTimeline& t);
 double moe_layer_ms(const graph::StepGraph& g, const StepTimeline& t);
 // The expert GEMM ops' time on the compute stream (expert_fwd + expert_bwd), ms.
 double expert_ms(const graph::StepGraph& g, const StepTimeline& t);
-// Expert weights this rank sent in the step's sparse collectives (replica gathers, replica gradients'
-// reduce back to the owners) and the time of the ops that sent them, waits for peers included: what
-// moving a replica costs on this rank's communication lanes (strategy::observe_weight_transfers folds
-// it in).
+// One rank's part in a step's sparse collectives (the ops that move expert weights: replica gathers,
+// replica gradients' reduce back to the owners), one entry per sparse op in graph order (every rank's
+// graph has the same ops). seconds: the op's time on this rank, waits for its peers included; -1: it
+// did not run. sent / received: the bytes of expert weights this rank sent and received in it.
+struct SparseOpPart {
+  double seconds = -1, sent = 0, received = 0;
+  static constexpr int kFields = 3;  // as flattened for an allgather: seconds, sent, received
+};
+std::vector<SparseOpPart> sparse_op_parts(const graph::StepGraph& g, const StepTimeline& t);
+// The expert weights the step's sparse collectives moved (bytes: sent, summed over ranks) and the
+// seconds they took at the rate each op ran at; the planners' weights bandwidth follows bytes /
+// seconds (strategy::observe_weight_transfers). An op's rate is that of its fastest participant (a
+// rank that sent or received in it): the bytes it moved in one direction over its time. A rank's time
+// includes its wait for the peers that reached the op later (on a step that is uneven across ranks,
+// most of it), and that wait is the peers' lateness, not what the bytes cost; the rank that waited
+// least shows the transfer. parts[r]: rank r's sparse_op_parts. REQUIRES: every parts[r] of the same
+// size (std::logic_error).
 struct WeightTransfers {
   double bytes = 0, seconds = 0;
 };
-WeightTransfers weight_transfers(const graph::StepGraph& g, const StepTimeline& t);
+WeightTransfers weight_transfers(const std::vector<std::vector<SparseOpPart>>& parts);
 
 class Executor {
  public:

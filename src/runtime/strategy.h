@@ -53,8 +53,8 @@ class Strategy {
   // at start-up (the steps' own transfers then fold in again, below). Ignored when --link-gbs gave the
   // bandwidth.
   void refresh_links(const strategy::LinkCost& intra_node, const strategy::LinkCost& inter_node);
-  // Between steps: the expert weights the step's sparse collectives sent and their ops' time, summed
-  // over ranks (runtime::weight_transfers; the same on every rank), folded into the weights bandwidth
+  // Between steps: the expert weights the step's sparse collectives sent and the time they took, over
+  // every rank (runtime::weight_transfers; the same on every rank), folded into the weights bandwidth
   // (strategy::observe_weight_transfers). Ignored when --link-gbs gave the bandwidth.
   void refresh_weights_rate(double bytes, double seconds);
 

@@ -207,7 +207,7 @@ struct StepFigures {
   // the mean attn_fwd op (ms).
   double compute_ms = 0, exposed_comm_ms = 0, comm_ms = 0, allreduce_ms = 0, allreduce_hidden_ms = 0, attn_ms = 0;
   std::vector<double> moe_ms_per_rank, expert_ms_per_rank;
-  runtime::WeightTransfers weights;  // summed over ranks
+  runtime::WeightTransfers weights;  // over every rank (runtime::weight_transfers)
 };
 
 // The mean duration of the step's attn_fwd ops, ms (0 when none ran).
@@ -501,16 +501,30 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   }
   f->moe_ms_per_rank = per_rank(all_rank_times, 0);
   f->expert_ms_per_rank = per_rank(all_rank_times, 1);
-  // One sum over ranks: the first 6 averaged, the weights sent and their time kept as sums.
-  const runtime::WeightTransfers sent = runtime::weight_transfers(step_graph_.graph, timeline_);
-  double times[8] = {br.compute_ms,   br.exposed_comm_ms,     br.comm_ms,
-                     br.allreduce_ms, br.allreduce_hidden_ms, mean_attention_ms(step_graph_.graph, timeline_),
-                     sent.bytes,      sent.seconds};
-  if (Status s = ranks_.sum(times, 8); !s) return s;
-  for (int i = 0; i < 6; ++i) times[i] /= ranks_.size;
+  double times[6] = {br.compute_ms,   br.exposed_comm_ms,     br.comm_ms,
+                     br.allreduce_ms, br.allreduce_hidden_ms, mean_attention_ms(step_graph_.graph, timeline_)};
+  if (Status s = ranks_.sum(times, 6); !s) return s;
+  for (double& x : times) x /= ranks_.size;
   f->compute_ms = times[0], f->exposed_comm_ms = times[1], f->comm_ms = times[2];
   f->allreduce_ms = times[3], f->allreduce_hidden_ms = times[4], f->attn_ms = times[5];
-  f->weights = {times[6], times[7]};
+  // Every rank's part in the sparse collectives, so that each reads the same transfer rate.
+  const std::vector<runtime::SparseOpPart> mine = runtime::sparse_op_parts(step_graph_.graph, timeline_);
+  const size_t R = static_cast<size_t>(ranks_.size), n = runtime::SparseOpPart::kFields * mine.size();
+  std::vector<double> own;
+  for (const runtime::SparseOpPart& p : mine) own.insert(own.end(), {p.seconds, p.sent, p.received});
+  std::vector<double> all = own;
+  if (ranks_.world && n > 0) {
+    all.resize(R * n);
+    if (Status s = ranks_.world->allgather(own.data(), static_cast<int64_t>(n), all.data()); !s) return s;
+  }
+  std::vector<std::vector<runtime::SparseOpPart>> parts(all.size() / std::max<size_t>(n, 1), mine);
+  for (size_t r = 0; r < parts.size(); ++r)
+    for (size_t o = 0; o < mine.size(); ++o) {
+      const double* x = &all[r * n + runtime::SparseOpPart::kFields * o];
+      parts[r][o] = {x[0], x[1], x[2]};
+    }
+  const runtime::WeightTransfers moved = runtime::weight_transfers(parts);
+  f->weights = {moved.bytes, moved.seconds};
   f->loss = model_->cross_entropy();
   if (ranks_.world) {
     if (Status s = ranks_.sum(&f->loss, 1); !s) return s;

@@ -109,16 +109,16 @@ class PlacementStrategy : public SimStrategy {
   const std::vector<SparseSchedule>& sparse_schedules() const override { return schedules_; }
   PlacementStats placement_stats() const override { return stats_; }
   // As the trainer (runtime::Strategy::refresh_weights_rate): the weights bandwidth follows the
-  // simulated step's sparse collectives, summed over ranks, unless link_gbs gave it.
+  // simulated step's sparse collectives (runtime::weight_transfers over every rank), unless link_gbs
+  // gave it.
   void after_step(const std::vector<graph::StepGraph>& graphs,
                   const std::vector<runtime::StepTimeline>& timelines) override {
     if (setup_.placement.link_gbs > 0) return;
-    runtime::WeightTransfers sum;
-    for (size_t r = 0; r < graphs.size() && r < timelines.size(); ++r) {
-      const runtime::WeightTransfers w = runtime::weight_transfers(graphs[r], timelines[r]);
-      sum.bytes += w.bytes, sum.seconds += w.seconds;
-    }
-    if (strategy::observe_weight_transfers(&cost_, sum.bytes, sum.seconds)) impl_->update_cost(cost_);
+    std::vector<std::vector<runtime::SparseOpPart>> parts;
+    for (size_t r = 0; r < graphs.size() && r < timelines.size(); ++r)
+      parts.push_back(runtime::sparse_op_parts(graphs[r], timelines[r]));
+    const runtime::WeightTransfers moved = runtime::weight_transfers(parts);
+    if (strategy::observe_weight_transfers(&cost_, moved.bytes, moved.seconds)) impl_->update_cost(cost_);
   }
 
  private:
@@ -223,6 +223,7 @@ void fill_placement_costs(const ModelConfig& cfg, const graph::EpStepOptions& op
       op.cost.peer_bytes.assign(all.begin() + static_cast<size_t>(rank) * R, all.begin() + static_cast<size_t>(rank + 1) * R);
       op.cost.bytes = 0;
       for (int64_t b : op.cost.peer_bytes) op.cost.bytes += b;
+      op.cost.bytes_received = comm::bytes_received(p, rank, l.chunk_bytes);
     };
     switch (op.kind) {
       case OpKind::dispatch_a2a:

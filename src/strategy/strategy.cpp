@@ -1,6 +1,7 @@
 // The Strategy defaults, the cost model, and the registry (strategy.h).
 #include "strategy/strategy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -101,7 +102,8 @@ CostModel make_cost_model(const ModelConfig& model, double bandwidth, double gem
 
 bool observe_weight_transfers(CostModel* c, double bytes, double seconds) {
   if (!(bytes > 0) || !(seconds > 0) || !std::isfinite(bytes / seconds)) return false;
-  const double step_rate = bytes / seconds;
+  const double fastest_link = std::max(c->intra_node.bandwidth, c->inter_node.bandwidth);
+  const double step_rate = fastest_link > 0 ? std::min(bytes / seconds, fastest_link) : bytes / seconds;
   c->bandwidth = c->bandwidth > 0 ? 0.5 * c->bandwidth + 0.5 * step_rate : step_rate;
   return true;
 }
