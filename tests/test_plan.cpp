@@ -899,6 +899,36 @@ TEST(FlexMoe, MigrateHandsOwnershipToTheRemainingReplica) {
   EXPECT_EQ(flexmoe_rank_loads(plan.placement, load), (std::vector<double>{52, 53}));
 }
 
+TEST(FlexMoe, ShrinksAReplicaThatRelievesNoMaximum) {
+  // 2 ranks x (2 + 1) slots; expert 0 (owner rank 0) has a replica on rank 1, its load gone: {0, 10,
+  // 10, 10}, rank loads 10 / 20, rho 1.33: re-plan. Hot = expert 1, no free slot on rank 1, migrate
+  // cold expert 0 there: 5 / 25, rejected. Then the shrink: dropping expert 0's replica leaves 10 /
+  // 20, the same maximum: dropped.
+  LayerPlacement current = even_placement(4, 2);
+  current.replicas[0] = {0, 1};
+  FlexMoePlan plan = flexmoe_plan(current, {0, 10, 10, 10}, 0, flex_config());
+  EXPECT_TRUE(plan.replanned);
+  EXPECT_EQ(plan.moves, (std::vector<ReplicaMove>{{ReplicaMove::Kind::shrink, 0, 1, -1}}));
+  expect_same(plan.placement, even_placement(4, 2));
+
+  // Loads {40, 10, 10, 10}: 30 / 40, rho 1.14, no trigger. Without the replica rank 0 would run 50:
+  // it relieves the maximum, and stays whatever a replica costs a step.
+  FlexMoeConfig cpu = flex_config();
+  cpu.replica_step_seconds = 1;
+  plan = flexmoe_plan(current, {40, 10, 10, 10}, 0, cpu);
+  EXPECT_FALSE(plan.replanned);
+  EXPECT_TRUE(plan.moves.empty());
+  expect_same(plan.placement, current);
+  // Without the trigger too: a replica of expert 2 (owner rank 1) on rank 0, loads {10, 10, 0, 18}:
+  // 20 / 18, rho 1.05. Expert 2 has no load; its replica relieves nothing: dropped.
+  current = even_placement(4, 2);
+  current.replicas[2] = {0, 1};
+  plan = flexmoe_plan(current, {10, 10, 0, 18}, 0, cpu);
+  EXPECT_FALSE(plan.replanned);
+  EXPECT_EQ(plan.moves, (std::vector<ReplicaMove>{{ReplicaMove::Kind::shrink, 2, 0, -1}}));
+  expect_same(plan.placement, even_placement(4, 2));
+}
+
 TEST(FlexMoe, TriggersOnTheThresholdOrEveryKSteps) {
   const std::vector<double> uniform(8, 10.0);
   const LayerPlacement even = even_placement(8, 4);

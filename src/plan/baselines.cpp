@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "plan/detail.h"
@@ -145,15 +146,14 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
   FlexMoePlan plan;
   plan.placement = current;
   plan.balance_before = plan.balance_after = flexmoe_balance_ratio(current, load);
-  if (!(plan.balance_before > cfg.balance_threshold || steps_since_replan >= cfg.replan_interval)) return plan;
-  plan.replanned = true;
+  plan.replanned = plan.balance_before > cfg.balance_threshold || steps_since_replan >= cfg.replan_interval;
 
   const double move_seconds = static_cast<double>(cfg.expert_state_bytes) / cfg.bandwidth;
   LayerPlacement& p = plan.placement;
   auto per_replica = [&](const LayerPlacement& q, int e) {
     return load[e] / static_cast<double>(q.replicas[e].size());
   };
-  for (;;) {
+  while (plan.replanned) {
     const std::vector<double> rank_load = flexmoe_rank_loads(p, load);
     int hot = -1;
     for (int e = 0; e < E; ++e) {
@@ -194,6 +194,24 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
     if (moves.size() == 1) ++held[target];  // a migrate keeps the target's count
     p = std::move(next);
     plan.moves.insert(plan.moves.end(), moves.begin(), moves.end());
+  }
+  // Shrink, every step, the replicas that relieve no maximum (a load that moved on leaves them behind;
+  // dropping one moves nothing).
+  for (;;) {
+    const double max_before = max_of(flexmoe_rank_loads(p, load));
+    double least_rise = std::numeric_limits<double>::infinity();
+    int drop_expert = -1, drop_rank = -1;
+    for (int e = 0; e < E; ++e)
+      for (int r : p.replicas[e]) {
+        if (r == p.owner[e]) continue;  // the master copy stays
+        LayerPlacement without = p;
+        drop_replica(without, e, r);
+        const double rise = max_of(flexmoe_rank_loads(without, load)) - max_before;
+        if (rise < least_rise) least_rise = rise, drop_expert = e, drop_rank = r;
+      }
+    if (drop_expert < 0 || least_rise > 0) break;
+    drop_replica(p, drop_expert, drop_rank);
+    plan.moves.push_back({ReplicaMove::Kind::shrink, drop_expert, drop_rank, -1});
   }
   plan.balance_after = flexmoe_balance_ratio(p, load);
   return plan;

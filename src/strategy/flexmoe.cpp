@@ -1,6 +1,7 @@
 // flexmoe: FlexMoE's replicas, reconstructed (plan::flexmoe_plan): a persistent placement per layer,
 // gathered before each gate, re-planned when the ranks' load balance exceeds 1.2 or every
-// reshard_every steps (50 when unset), within replica_slots reserved slots (1 when unset).
+// reshard_every steps (50 when unset), within replica_slots reserved slots (1 when unset); a replica
+// that relieves no rank's maximum is dropped at any step.
 // An expert's tokens are split evenly over its replicas (plan::DispatchRule::even), the split its
 // balance ratio assumes.
 // Deviation from FlexMoE: it keeps optimizer state in every replica and all-reduces replica
@@ -55,8 +56,8 @@ class FlexMoe : public Strategy {
     for (size_t i = 0; i < owners.size() && i < placement_.size(); ++i) {
       ++since_[i];
       const plan::FlexMoePlan p = plan::flexmoe_plan(placement_[i], predictor_.predict(static_cast<int>(i)), since_[i], config_);
-      if (!p.replanned) continue;
-      since_[i] = 0;
+      if (!p.replanned && p.moves.empty()) continue;
+      if (p.replanned) since_[i] = 0;
       placement_[i] = p.placement;
       next[i] = p.placement.owner;
     }
