@@ -222,6 +222,30 @@ double mean_attention_ms(const graph::StepGraph& g, const runtime::StepTimeline&
   return n ? sum / n : 0.0;
 }
 
+// The step's expert-weight transfers over every rank (runtime::weight_transfers), from each rank's
+// part in the sparse collectives gathered to all, so that every rank reads the same rate.
+Status weights_moved(Ranks& ranks, const graph::StepGraph& g, const runtime::StepTimeline& timeline,
+                     runtime::WeightTransfers* out) {
+  const std::vector<runtime::SparseOpPart> mine = runtime::sparse_op_parts(g, timeline);
+  constexpr size_t kF = runtime::SparseOpPart::kFields;
+  const size_t n = kF * mine.size();
+  std::vector<double> own;
+  for (const runtime::SparseOpPart& p : mine) own.insert(own.end(), {p.seconds, p.sent, p.received});
+  std::vector<double> all = own;
+  if (ranks.world && n > 0) {
+    all.resize(static_cast<size_t>(ranks.size) * n);
+    if (Status s = ranks.world->allgather(own.data(), static_cast<int64_t>(n), all.data()); !s) return s;
+  }
+  std::vector<std::vector<runtime::SparseOpPart>> parts(n > 0 ? all.size() / n : 0, mine);
+  for (size_t r = 0; r < parts.size(); ++r)
+    for (size_t o = 0; o < mine.size(); ++o) {
+      const double* x = &all[r * n + kF * o];
+      parts[r][o] = {x[0], x[1], x[2]};
+    }
+  *out = runtime::weight_transfers(parts);
+  return Status::ok();
+}
+
 // The cost model as the metrics record it (GB/s, us, GFLOP/s).
 json cost_model_json(const strategy::CostModel& c) {
   return {{"intra_node_gbs", c.intra_node.bandwidth / 1e9}, {"intra_node_us", c.intra_node.latency * 1e6},
@@ -507,23 +531,8 @@ Status TrainingRun::run_step(int64_t step, StepFigures* f) {
   for (double& x : times) x /= ranks_.size;
   f->compute_ms = times[0], f->exposed_comm_ms = times[1], f->comm_ms = times[2];
   f->allreduce_ms = times[3], f->allreduce_hidden_ms = times[4], f->attn_ms = times[5];
-  // Every rank's part in the sparse collectives, so that each reads the same transfer rate.
-  const std::vector<runtime::SparseOpPart> mine = runtime::sparse_op_parts(step_graph_.graph, timeline_);
-  const size_t R = static_cast<size_t>(ranks_.size), n = runtime::SparseOpPart::kFields * mine.size();
-  std::vector<double> own;
-  for (const runtime::SparseOpPart& p : mine) own.insert(own.end(), {p.seconds, p.sent, p.received});
-  std::vector<double> all = own;
-  if (ranks_.world && n > 0) {
-    all.resize(R * n);
-    if (Status s = ranks_.world->allgather(own.data(), static_cast<int64_t>(n), all.data()); !s) return s;
-  }
-  std::vector<std::vector<runtime::SparseOpPart>> parts(all.size() / std::max<size_t>(n, 1), mine);
-  for (size_t r = 0; r < parts.size(); ++r)
-    for (size_t o = 0; o < mine.size(); ++o) {
-      const double* x = &all[r * n + runtime::SparseOpPart::kFields * o];
-      parts[r][o] = {x[0], x[1], x[2]};
-    }
-  const runtime::WeightTransfers moved = runtime::weight_transfers(parts);
+  runtime::WeightTransfers moved;
+  if (Status s = weights_moved(ranks_, step_graph_.graph, timeline_, &moved); !s) return s;
   f->weights = {moved.bytes, moved.seconds};
   f->loss = model_->cross_entropy();
   if (ranks_.world) {
