@@ -103,6 +103,21 @@ void check(const Status& st) {
   if (!st) comm::abort_job(st);
 }
 
+MpiJob start_mpi_job() {
+  MpiJob job;
+  check(comm::MpiSession::start(&job.session));
+  check(job.session->world(&job.world));
+  return job;
+}
+
+std::string mpi_library_version() {
+  char lib[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(lib, &len);
+  const std::string version(lib, static_cast<size_t>(len));
+  return version.substr(0, version.find_first_of(",\n"));
+}
+
 double time_calls(MPI_Comm raw, int iters, const std::function<void()>& call) {
   MPI_Barrier(raw);
   double t0 = MPI_Wtime();

@@ -42,6 +42,7 @@
 #include "bench/bench.h"
 #include "bench/report.h"
 #include "bench/emulated_cluster.h"
+#include "bench/mpi_bench.h"
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
 #include "util/shell.h"
@@ -58,17 +59,11 @@ bool usable(const EmulatedCluster& cluster, const char* bench) {
   return cluster.up();
 }
 
-void check(const Status& st) {
-  if (!st) comm::abort_job(st);
-}
-
 // ---- cluster-collectives: the ranks' side (under `cluster.sh run`) ----
 
 int collectives_ranks(const BenchOptions& opt) {
-  std::unique_ptr<comm::MpiSession> session;
-  check(comm::MpiSession::start(&session));
-  std::unique_ptr<comm::Communicator> a2a_comm, ar_comm;
-  check(session->world(&a2a_comm));
+  MpiJob job = start_mpi_job();
+  std::unique_ptr<comm::Communicator> a2a_comm = std::move(job.world), ar_comm;
   check(a2a_comm->dup("allreduce", &ar_comm));  // its own lane, as the runtime's allreduce has
   const int P = a2a_comm->size(), r = a2a_comm->rank();
   if (P != 2) {

@@ -99,10 +99,8 @@ int iterations(int64_t bytes) { return static_cast<int>(std::clamp<int64_t>(kMax
 }  // namespace
 
 int collectives(const BenchOptions& opt) {
-  std::unique_ptr<comm::MpiSession> session;
-  check(comm::MpiSession::start(&session));
-  std::unique_ptr<comm::Communicator> world;
-  check(session->world(&world));
+  const MpiJob job = start_mpi_job();
+  comm::Communicator* world = job.world.get();
   comm::Topology topo;
   check(comm::detect_topology(*world, 0, &topo));
   MPI_Comm raw;
@@ -112,16 +110,12 @@ int collectives(const BenchOptions& opt) {
 
   std::unique_ptr<Report> report;  // rank 0 prints
   if (root) {
-    char lib[MPI_MAX_LIBRARY_VERSION_STRING];
-    int len = 0;
-    MPI_Get_library_version(lib, &len);
-    std::string version(lib, len);
-    version = version.substr(0, version.find_first_of(",\n"));
+    const std::string version = mpi_library_version();
     char what[512];
     std::snprintf(what, sizeof what,
                   "our collectives beside raw MPI, %d rank%s (%s), %s, %s; float32; median of %d rounds; busbw = "
                   "algbw x factor: allreduce 2(n-1)/n = %.2f, alltoallv (n-1)/n = %.2f",
-                  P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), session->thread_level_name(),
+                  P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), job.session->thread_level_name(),
                   opt.repeats, 2.0 * (P - 1) / P, double(P - 1) / P);
     report = std::make_unique<Report>("collectives", what, opt);
     if (P == 1) report->note("one rank moves no data: run it as `mpirun -n 2 moe bench collectives`");

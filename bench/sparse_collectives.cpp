@@ -138,10 +138,8 @@ int iterations(int64_t dense_bytes) {
 }  // namespace
 
 int sparse_collectives(const BenchOptions& opt) {
-  std::unique_ptr<comm::MpiSession> session;
-  check(comm::MpiSession::start(&session));
-  std::unique_ptr<comm::Communicator> world;
-  check(session->world(&world));
+  const MpiJob job = start_mpi_job();
+  comm::Communicator* world = job.world.get();
   comm::Topology topo;
   check(comm::detect_topology(*world, 0, &topo));
   MPI_Comm raw;  // timing barriers and result sums, apart from the measured traffic
@@ -151,16 +149,12 @@ int sparse_collectives(const BenchOptions& opt) {
 
   std::unique_ptr<Report> report;  // rank 0 prints
   if (root) {
-    char lib[MPI_MAX_LIBRARY_VERSION_STRING];
-    int len = 0;
-    MPI_Get_library_version(lib, &len);
-    std::string version(lib, len);
-    version = version.substr(0, version.find_first_of(",\n"));
+    const std::string version = mpi_library_version();
     char what[512];
     std::snprintf(what, sizeof what,
                   "Hecate's sparse collectives beside the dense ones, %d rank%s (%s), %s, %s; float32; %d chunks per "
                   "rank, %d in all; median of %d rounds",
-                  P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), session->thread_level_name(), K, C,
+                  P, P == 1 ? "" : "s", topo.describe().c_str(), version.c_str(), job.session->thread_level_name(), K, C,
                   opt.repeats);
     report = std::make_unique<Report>("sparse-collectives", what, opt);
     if (P == 1) report->note("one rank moves no data: run it as `mpirun -n 2 moe bench sparse-collectives`");

@@ -59,10 +59,8 @@ class ExpertGemm {
 }  // namespace
 
 int transfer_cpu(const BenchOptions& opt) {
-  std::unique_ptr<comm::MpiSession> session;
-  check(comm::MpiSession::start(&session));
-  std::unique_ptr<comm::Communicator> world;
-  check(session->world(&world));
+  const MpiJob job = start_mpi_job();
+  comm::Communicator* world = job.world.get();
   const int P = world->size();
   const bool root = world->rank() == 0;
   set_gemm_threads(1);  // one compute thread, as moe train --threads 1 (the emulated cluster's setting)
