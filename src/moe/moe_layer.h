@@ -34,6 +34,7 @@
 namespace moe {
 namespace comm {
 class Communicator;
+struct SparsePlan;
 }
 
 enum class Activation { gelu, swiglu };
@@ -308,6 +309,9 @@ class MoeLayer {
   // ---- placements (see enable_placements); implemented in moe_layer_replicas.cpp ----
   void ensure_replica_slots(int64_t slots);     // grows the slot buffers, keeping their contents
   std::vector<float*> chunk_pointers(bool grads);  // [W*E] see ep_materialize
+  // After a sparse collective of `plan`: this rank's bytes sent to each peer and received, and the
+  // running sparse_bytes_.
+  void record_sparse_traffic(const comm::SparsePlan& plan, int64_t chunk_bytes);
   plan::Nodes nodes_;                           // node of each ep rank (all 0 until enable_placements)
   plan::DispatchRule dispatch_rule_ = plan::DispatchRule::nearest;
   plan::LayerPlacement owners_, placement_, held_;  // held_: materialized now

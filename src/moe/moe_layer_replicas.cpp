@@ -120,6 +120,14 @@ std::vector<float*> MoeLayer::chunk_pointers(bool grads) {
   return chunks;
 }
 
+void MoeLayer::record_sparse_traffic(const comm::SparsePlan& plan, int64_t chunk_bytes) {
+  const int me = ep_->rank(), R = ep_->size();
+  sparse_received_bytes_ = comm::bytes_received(plan, me, chunk_bytes);
+  sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + sparse_received_bytes_;
+  const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
+  std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
+}
+
 void MoeLayer::ep_materialize() {
   if (!gather_) throw std::logic_error("MoeLayer::ep_materialize: REQUIRES enable_placements");
   sparse_peer_bytes_.assign(ep_->size(), 0);
@@ -160,11 +168,7 @@ void MoeLayer::ep_materialize() {
       chunk_placement(held_.replicas, W), chunk_placement(target.replicas, W), R, nodes_.node_of_rank);
   const std::vector<float*> chunks = chunk_pointers(false);
   throw_if_error(comm::sparse_allgather(*gather_, plan, chunks, FC));
-  const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
-  sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
-  const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
-  std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
-  sparse_received_bytes_ = comm::bytes_received(plan, me, chunk_bytes);
+  record_sparse_traffic(plan, FC * static_cast<int64_t>(sizeof(float)));
   held_ = std::move(target);
 }
 
@@ -172,18 +176,14 @@ void MoeLayer::ep_reduce_replica_grads() {
   sparse_peer_bytes_.assign(ep_->size(), 0);
   sparse_received_bytes_ = 0;
   if (held_.replicas == owners_.replicas) return;  // no replica: nothing to send home
-  const int me = ep_->rank(), R = ep_->size();
+  const int R = ep_->size();
   const int W = cfg_.activation == Activation::swiglu ? 3 : 2;
   const int64_t FC = cfg_.d_ffn * cfg_.d_model;
   const comm::SparsePlan plan = comm::plan_sparse_reduce_scatter(
       chunk_placement(held_.replicas, W), chunk_placement(owners_.replicas, W), R, nodes_.node_of_rank);
   const std::vector<float*> chunks = chunk_pointers(true);
   throw_if_error(comm::sparse_reduce_scatter(*gather_, plan, chunks, FC, &reduce_scratch_));
-  const int64_t chunk_bytes = FC * static_cast<int64_t>(sizeof(float));
-  sparse_bytes_ += comm::bytes_sent(plan, me, chunk_bytes) + comm::bytes_received(plan, me, chunk_bytes);
-  const std::vector<int64_t> all = comm::peer_bytes(plan, chunk_bytes);
-  std::copy(all.begin() + me * R, all.begin() + (me + 1) * R, sparse_peer_bytes_.begin());
-  sparse_received_bytes_ = comm::bytes_received(plan, me, chunk_bytes);
+  record_sparse_traffic(plan, FC * static_cast<int64_t>(sizeof(float)));
 }
 
 void MoeLayer::retain_replicas(const plan::LayerPlacement& keep) {

@@ -63,7 +63,6 @@ int place_replicas(LayerPlacement& p, int expert, int n, std::vector<int>& free,
 
 int saturate(double x) { return x >= static_cast<double>(INT_MAX) ? INT_MAX : static_cast<int>(x); }
 
-
 // The busiest rank's tokens under p, and the most any rank receives from the others.
 struct RankLoad {
   int64_t busiest = 0, remote = 0;
