@@ -8,7 +8,10 @@
 // strategies run `moe train` (default model and corpus, --threads 1, the cost model each run measures
 // at start-up) in --repeats rounds (default 2) that interleave them, so the machine's drifts weigh on
 // all alike. Columns, medians over the rounds of each run's median over its steps after the warm-up:
-//   step ms      the runtime's step_ms (rank 0): the step's wall time, optimizer included
+//   step ms      the runtime's step_ms (rank 0): the step's wall time, optimizer included, plus the
+//                re-sharding between steps (reshard_ms: SmartMoE's swaps, Hecate's Alg. 2, FlexMoE's
+//                moves of shards and moments) spread over the steps: its sum over the measured steps
+//                over their count, since a median of steps would leave out a cost paid every 5th step
 //   vs ep        step ms / ep's step ms in the same configuration (below 1: faster than ep)
 //   vs ep rounds the same ratio round by round (each run against ep's run of its own round, minutes
 //                apart, so a slow spell of the machine weighs on both): lowest and highest, and in how
@@ -90,11 +93,13 @@ Run train(const std::string& launch, const std::string& args, const std::string&
     return run;
   }
   std::vector<double> step, graph, exposed, sparse, ranks, t;
+  double reshard_ms = 0;
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.contains("step_ms") || j["step"].get<int>() <= kWarmup) continue;
     step.push_back(j["step_ms"]);
+    reshard_ms += j.value("reshard_ms", 0.0);
     graph.push_back(j["compute_ms"].get<double>() + j["exposed_comm_ms"].get<double>());
     exposed.push_back(j["exposed_comm_ms"]);
     sparse.push_back(j["sparse_bytes"].get<double>() / 1e6);
@@ -104,7 +109,8 @@ Run train(const std::string& launch, const std::string& args, const std::string&
     t.push_back(j["overlap_degree"]);
   }
   run.ok = !step.empty();
-  run.step_ms = median(step), run.graph_ms = median(graph), run.exposed_ms = median(exposed);
+  run.step_ms = median(step) + (step.empty() ? 0 : reshard_ms / static_cast<double>(step.size()));
+  run.graph_ms = median(graph), run.exposed_ms = median(exposed);
   run.sparse_mb = median(sparse), run.rank_imbalance = median(ranks), run.t = median(t);
   run.metrics = metrics;
   return run;

@@ -281,7 +281,8 @@ class TrainingRun {
   void refresh_costs(const StepFigures& f, const StepLoads& l);
   Status refresh_links(int64_t done);
   Status check_finite(int64_t step, StepFigures* f);
-  void write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved);
+  void write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved,
+                     double reshard_seconds);
   void print_progress(int64_t done, const StepFigures& f, const StepLoads& l);
   Status save(int64_t step);
   Status write_trace();
@@ -712,7 +713,8 @@ Status TrainingRun::refresh_links(int64_t done) {
   return Status::ok();
 }
 
-void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved) {
+void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLoads& l, int experts_moved,
+                                double reshard_seconds) {
   json tokens = json::array(), imbalances = json::array(), dropped = json::array();
   json rank_tokens = json::array(), rank_imbalances = json::array(), per_source = json::array();
   const int64_t E = cfg_.model.n_experts, L = static_cast<int64_t>(l.loads.size());
@@ -764,6 +766,7 @@ void TrainingRun::write_metrics(int64_t done, const StepFigures& f, const StepLo
                   {"cost_model", cost_model_json(strategy_.cost_model())},
                   {"calibrations", strategy_.take_calibrations()},
                   {"experts_moved", experts_moved},
+                  {"reshard_ms", reshard_seconds * 1e3},  // moving them, after the step: not in step_ms
                   {"sparse_bytes", l.sparse_bytes},
                   // Per rank (the largest): parameters held, their gradients (the same size) and
                   // AdamW's two moments, plus the peak of materialized replicas (weights + grads).
@@ -817,12 +820,18 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
   for (const LayerLoad& ll : l.loads) global_loads.push_back(ll.tokens_per_expert);
   strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
   int experts_moved = 0;
+  // Moving shards and their moments between steps is the strategy's cost as much as its steps are:
+  // timed here, outside step_ms, and counted in the window's throughput.
+  const auto reshard_start = std::chrono::steady_clock::now();
   try {
     experts_moved = strategy_.reshard(*opt_, done);  // when due (Hecate's Alg. 2, SmartMoE, FlexMoE)
   } catch (const std::runtime_error& e) {
     return Status::error(std::string("re-sharding: ") + e.what());
   }
-  write_metrics(done, f, l, experts_moved);
+  const double reshard_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - reshard_start).count();
+  window_seconds_ += reshard_seconds;
+  write_metrics(done, f, l, experts_moved, reshard_seconds);
   print_progress(done, f, l);
   return Status::ok();
 }
