@@ -631,52 +631,45 @@ struct StepLoads {
 Status TrainingRun::gather_loads(StepLoads* out) {
   out->loads = model_->load_stats();
   std::vector<LayerLoad>& loads = out->loads;
-  const int64_t E = cfg_.model.n_experts;
-  std::vector<int64_t> load_buf(loads.size() * (E + 1), 0);
-  std::vector<int64_t> rows_mine(loads.size());
-  out->rows.assign(loads.size() * ranks_.size, 0);
-  for (size_t i = 0; i < loads.size(); ++i) {
-    std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), load_buf.begin() + i * (E + 1));
-    load_buf[i * (E + 1) + E] = loads[i].dropped;
-    rows_mine[i] = model_->moe_layer(loads[i].layer)->expert_rows();
-  }
-  {
-    std::vector<int64_t> mine(loads.size() * E);
-    for (size_t i = 0; i < loads.size(); ++i) std::copy_n(load_buf.begin() + i * (E + 1), E, mine.begin() + i * E);
-    out->per_source.assign(mine.size() * ranks_.size, 0);
-    if (!ranks_.world) out->per_source = mine;
-    else if (Status s = ranks_.world->allgather(mine.data(), static_cast<int64_t>(mine.size()), out->per_source.data()); !s)
-      return s;
-  }
-  if (Status s = ranks_.sum(load_buf.data(), static_cast<int64_t>(load_buf.size())); !s) return s;
-  if (ranks_.world) {
-    if (Status s = ranks_.world->allgather(rows_mine.data(), static_cast<int64_t>(rows_mine.size()), out->rows.data());
-        !s)
-      return s;
-  } else {
-    out->rows = rows_mine;
-  }
-  for (const LayerLoad& ll : loads) {
-    MoeLayer* moe = model_->moe_layer(ll.layer);
+  const size_t L = loads.size(), E = static_cast<size_t>(cfg_.model.n_experts), R = static_cast<size_t>(ranks_.size);
+  // This rank's record, gathered from every rank in one allgather (the counts are integers, so summing
+  // them here equals an allreduce): [L][E] kept assignments per expert, [L] drops, [L] expert rows,
+  // then sparse bytes, parameter bytes and the replicas' peak.
+  const size_t drops = L * E, rows = drops + L, sparse = rows + L, params = sparse + 1, peak = params + 1;
+  const size_t n = peak + 1;
+  std::vector<int64_t> mine(n, 0);
+  for (size_t i = 0; i < L; ++i) {
+    std::copy(loads[i].tokens_per_expert.begin(), loads[i].tokens_per_expert.end(), mine.begin() + i * E);
+    mine[drops + i] = loads[i].dropped;
+    MoeLayer* moe = model_->moe_layer(loads[i].layer);
+    mine[rows + i] = moe->expert_rows();
     if (!moe->placements_enabled()) continue;
     for (const std::vector<int>& r : moe->placement().replicas) out->replicas += static_cast<int64_t>(r.size()) - 1;
-    out->sparse_bytes += moe->take_sparse_bytes();
+    mine[sparse] += moe->take_sparse_bytes();
   }
-  for (const Param* p : opt_->params()) out->param_bytes += static_cast<int64_t>(p->value.numel() * sizeof(float));
-  out->replicas_peak = model_->replica_memory().peak();
+  for (const Param* p : opt_->params()) mine[params] += static_cast<int64_t>(p->value.numel() * sizeof(float));
+  mine[peak] = model_->replica_memory().peak();
   model_->replica_memory().reset_peak();
+
+  std::vector<int64_t> all = mine;  // [R][n]
   if (ranks_.world) {
-    int64_t memory[2] = {out->param_bytes, out->replicas_peak};
-    std::vector<int64_t> all(2 * ranks_.size);
-    if (Status s = ranks_.world->allgather(memory, 2, all.data()); !s) return s;
-    for (int r = 0; r < ranks_.size; ++r)
-      for (int i = 0; i < 2; ++i) memory[i] = std::max(memory[i], all[2 * r + i]);
-    out->param_bytes = memory[0], out->replicas_peak = memory[1];
-    if (Status s = ranks_.sum(&out->sparse_bytes, 1); !s) return s;
+    all.resize(R * n);
+    if (Status s = ranks_.world->allgather(mine.data(), static_cast<int64_t>(n), all.data()); !s) return s;
   }
-  for (size_t i = 0; i < loads.size(); ++i) {
-    loads[i].tokens_per_expert.assign(load_buf.begin() + i * (E + 1), load_buf.begin() + i * (E + 1) + E);
-    loads[i].dropped = load_buf[i * (E + 1) + E];
+  out->per_source.assign(R * L * E, 0);
+  out->rows.assign(R * L, 0);
+  for (LayerLoad& ll : loads) std::fill(ll.tokens_per_expert.begin(), ll.tokens_per_expert.end(), 0), ll.dropped = 0;
+  for (size_t r = 0; r < R; ++r) {
+    const int64_t* rec = all.data() + r * n;
+    std::copy_n(rec, L * E, out->per_source.begin() + r * L * E);
+    for (size_t i = 0; i < L; ++i) {
+      for (size_t e = 0; e < E; ++e) loads[i].tokens_per_expert[e] += rec[i * E + e];
+      loads[i].dropped += rec[drops + i];
+      out->rows[r * L + i] = rec[rows + i];
+    }
+    out->sparse_bytes += rec[sparse];
+    out->param_bytes = std::max(out->param_bytes, rec[params]);
+    out->replicas_peak = std::max(out->replicas_peak, rec[peak]);
   }
   return Status::ok();
 }
