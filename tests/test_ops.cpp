@@ -310,12 +310,14 @@ TEST(OpsValue, GemmChoicePrefersOneDnnUnlessOpenBlasIsClearlyFaster) {
   GemmRates r;
   r.onednn_gflops = 100;
   for (double openblas : {50.0, 100.0, 113.0, 124.9}) {
-    r.openblas_gflops = openblas;
+    r.openblas_gflops = openblas, r.median_ratio = openblas / 100;
     EXPECT_EQ(pick_gemm_backend(r), "onednn") << openblas;
   }
   for (double openblas : {125.1, 150.0}) {
-    r.openblas_gflops = openblas;
+    r.openblas_gflops = openblas, r.median_ratio = openblas / 100;
     EXPECT_EQ(pick_gemm_backend(r), "openblas") << openblas;
+    r.median_ratio = 1.2;  // faster at its best, not round by round
+    EXPECT_EQ(pick_gemm_backend(r), "onednn") << openblas;
   }
 }
 
@@ -328,7 +330,14 @@ TEST(OpsValue, GemmChoiceSurvivesADisturbedSeries) {
   EXPECT_EQ(r.rounds, 5);
   EXPECT_EQ(pick_gemm_backend(r), "onednn");
   // And a kernel that really is faster in every round still wins.
-  EXPECT_EQ(pick_gemm_backend(gemm_rates_from_rounds({90, 91, 92}, {130, 60, 128}, "Haswell")), "openblas");
+  const GemmRates faster = gemm_rates_from_rounds({90, 91, 92}, {130, 60, 128}, "Haswell");
+  EXPECT_DOUBLE_EQ(faster.median_ratio, 128.0 / 92);
+  EXPECT_EQ(pick_gemm_backend(faster), "openblas");
+  // One fast round of OpenBLAS (its best 26% over oneDNN's, a neighbour went idle) does not make it
+  // faster: it is slower in the other rounds, median ratio (0.80 + 0.85) / 2.
+  const GemmRates burst = gemm_rates_from_rounds({72, 70, 68, 71}, {91, 56, 58, 57}, "SkylakeX");
+  EXPECT_DOUBLE_EQ(burst.median_ratio, (57.0 / 71 + 58.0 / 68) / 2);
+  EXPECT_EQ(pick_gemm_backend(burst), "onednn");
   EXPECT_THROW(gemm_rates_from_rounds({1, 2}, {1}, ""), std::invalid_argument);
   EXPECT_THROW(gemm_rates_from_rounds({}, {}, ""), std::invalid_argument);
 }

@@ -190,8 +190,13 @@ GemmRates gemm_rates_from_rounds(const std::vector<double>& onednn, const std::v
                                  const std::string& openblas_core) {
   if (onednn.empty() || onednn.size() != openblas.size())
     throw std::invalid_argument("gemm_rates_from_rounds: REQUIRES two series of the same non-zero length");
+  std::vector<double> ratio(onednn.size());
+  for (size_t i = 0; i < ratio.size(); ++i) ratio[i] = openblas[i] / onednn[i];
+  std::sort(ratio.begin(), ratio.end());
+  const size_t n = ratio.size();
+  const double median = n % 2 ? ratio[n / 2] : 0.5 * (ratio[n / 2 - 1] + ratio[n / 2]);
   return {*std::max_element(onednn.begin(), onednn.end()), *std::max_element(openblas.begin(), openblas.end()),
-          static_cast<int>(onednn.size()), openblas_core};
+          median, static_cast<int>(n), openblas_core};
 }
 
 std::string openblas_core_for_isa(const std::string& detected, bool avx512, bool avx2_fma) {
@@ -214,13 +219,16 @@ std::string openblas_core_for_this_cpu(const std::string& detected) {
 std::string openblas_kernel() { return openblas_get_corename(); }
 
 std::string pick_gemm_backend(const GemmRates& r) {
-  return r.openblas_gflops > (1.0 + kGemmSwitchMargin) * r.onednn_gflops ? "openblas" : "onednn";
+  const bool clearly_faster =
+      r.openblas_gflops > (1.0 + kGemmSwitchMargin) * r.onednn_gflops && r.median_ratio > 1.0 + kGemmSwitchMargin;
+  return clearly_faster ? "openblas" : "onednn";
 }
 
 std::string describe_gemm_rates(const GemmRates& r) {
   char buf[200];
-  std::snprintf(buf, sizeof buf, "measured onednn %.1f vs openblas/%s %.1f GFLOP/s, best of %d interleaved rounds",
-                r.onednn_gflops, r.openblas_core.c_str(), r.openblas_gflops, r.rounds);
+  std::snprintf(buf, sizeof buf,
+                "measured onednn %.1f vs openblas/%s %.1f GFLOP/s, best of %d interleaved rounds (median ratio %.2f)",
+                r.onednn_gflops, r.openblas_core.c_str(), r.openblas_gflops, r.rounds, r.median_ratio);
   return buf;
 }
 
