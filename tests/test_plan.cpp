@@ -364,19 +364,6 @@ TEST(LoadPredictor, AveragesTheLastWindowSteps) {
   EXPECT_EQ(predictor.steps_observed(), 7);
 }
 
-TEST(LoadPredictor, LatestIsTheNewestStepAsTheRingWraps) {
-  LoadPredictor predictor(2, 2, 2);
-  EXPECT_EQ(predictor.latest(1), (std::vector<double>{1.0, 1.0}));
-  const std::vector<std::vector<std::vector<int64_t>>> steps{
-      {{3, 0}, {1, 2}}, {{5, 2}, {0, 4}}, {{7, 4}, {9, 1}}, {{2, 8}, {6, 6}}, {{0, 1}, {3, 5}}};
-  for (const auto& step : steps) {
-    predictor.observe(step);
-    EXPECT_EQ(predictor.latest(0), (std::vector<double>(step[0].begin(), step[0].end())));
-    EXPECT_EQ(predictor.latest(1), (std::vector<double>(step[1].begin(), step[1].end())));
-  }
-  EXPECT_THROW(predictor.latest(2), std::logic_error);
-}
-
 TEST(LoadPredictor, RejectsBadArguments) {
   EXPECT_THROW(LoadPredictor(0, 3), std::logic_error);
   EXPECT_THROW(LoadPredictor(1, 3, 0), std::logic_error);
@@ -1043,30 +1030,6 @@ TEST(SmartMoe, PricedSwapAdoptedOnlyWhenItsSavingBeatsTheMove) {
   EXPECT_FALSE(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, cfg).adopted);
   cfg.bandwidth = 0;
   EXPECT_THROW(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, cfg), std::logic_error);  // half priced
-}
-
-// The greedy fits the window's mean {40, 30, 20, 10} as in GreedySwapAdoptedWhenTheMaxDrops: owners
-// {0, 1, 1, 0}, a drop of 70 - 50 = 20 tokens (200 ms over the interval against a 30 ms move). On the
-// newest step {25, 25, 25, 25} the swap changes nothing (50 and 50): the imbalance has gone, and the
-// swap is kept out. On {45, 30, 20, 5}: 75 - 50 = 25 > 20, so the mean's drop prices it, adopted.
-TEST(SmartMoe, PricedSwapNeedsItsSavingOnTheNewestStepToo) {
-  SmartMoeConfig cfg;
-  cfg.expert_seconds_per_token = 1e-3, cfg.expert_state_bytes = 3'000'000, cfg.bandwidth = 100e6;
-  const std::vector<double> mean{40, 30, 20, 10};
-  const SmartMoePlan gone = smartmoe_plan({0, 0, 1, 1}, 2, mean, 10, cfg, {25, 25, 25, 25});
-  EXPECT_TRUE(gone.evaluated);
-  EXPECT_FALSE(gone.adopted);
-  EXPECT_EQ(gone.owner, (std::vector<int>{0, 0, 1, 1}));
-  EXPECT_DOUBLE_EQ(gone.drop_on_newest, 0);
-  EXPECT_DOUBLE_EQ(gone.saved_seconds, 0);
-  const SmartMoePlan held = smartmoe_plan({0, 0, 1, 1}, 2, mean, 10, cfg, {45, 30, 20, 5});
-  EXPECT_TRUE(held.adopted);
-  EXPECT_EQ(held.owner, (std::vector<int>{0, 1, 1, 0}));
-  EXPECT_DOUBLE_EQ(held.drop_on_newest, 25);
-  EXPECT_DOUBLE_EQ(held.saved_seconds, 0.2);
-  // Unpriced (the paper's rule) the newest step is not consulted.
-  EXPECT_TRUE(smartmoe_plan({0, 0, 1, 1}, 2, mean, 10, SmartMoeConfig{}, {25, 25, 25, 25}).adopted);
-  EXPECT_THROW(smartmoe_plan({0, 0, 1, 1}, 2, mean, 10, cfg, {1, 1, 1}), std::logic_error);
 }
 
 TEST(SmartMoe, ReducesTheMaxRankLoadOnZipfAndNeverIncreasesIt) {

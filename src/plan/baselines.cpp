@@ -231,14 +231,13 @@ std::vector<double> owner_rank_loads(const std::vector<int>& owner, int n_ranks,
 }
 
 SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load,
-                           int steps_since_update, const SmartMoeConfig& cfg, const std::vector<double>& newest) {
+                           int steps_since_update, const SmartMoeConfig& cfg) {
   constexpr const char* kWhere = "smartmoe_plan";
   if (cfg.interval < 1 || steps_since_update < 0) violated(kWhere, "needs interval >= 1, steps_since_update >= 0");
   const bool priced = cfg.expert_seconds_per_token != 0 || cfg.expert_state_bytes != 0 || cfg.bandwidth != 0;
   if (priced && (!positive_finite(cfg.expert_seconds_per_token) || cfg.expert_state_bytes <= 0 ||
                  !positive_finite(cfg.bandwidth)))
     violated(kWhere, "a priced SmartMoeConfig needs every cost field > 0 and finite");
-  if (!newest.empty()) detail::require_loads(kWhere, newest, static_cast<int>(owner.size()));
   const std::vector<double> before = owner_rank_loads(owner, n_ranks, load);
   const int E = static_cast<int>(owner.size());
   if (E % n_ranks != 0) violated(kWhere, "the number of experts must be a multiple of the number of ranks");
@@ -277,13 +276,7 @@ SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std
     std::vector<int> received(n_ranks, 0);
     for (const ExpertMove& m : moves) ++received[m.to];
     const int most = *std::max_element(received.begin(), received.end());
-    double drop = plan.max_load_before - after;
-    if (!newest.empty()) {
-      plan.drop_on_newest =
-          max_of(owner_rank_loads(owner, n_ranks, newest)) - max_of(owner_rank_loads(next, n_ranks, newest));
-      drop = std::min(drop, plan.drop_on_newest);
-    }
-    plan.saved_seconds = drop * cfg.expert_seconds_per_token * cfg.interval;
+    plan.saved_seconds = (plan.max_load_before - after) * cfg.expert_seconds_per_token * cfg.interval;
     plan.move_seconds = most * static_cast<double>(cfg.expert_state_bytes) / cfg.bandwidth;
     if (!(plan.saved_seconds > plan.move_seconds)) return plan;
   }

@@ -155,20 +155,13 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
 // adopted only when what it saves until the next evaluation beats the swap's transfer, on the same
 // terms as FlexMoE's moves: without it, the natural few percent of imbalance of an unskewed router
 // made SmartMoE swap experts every interval, each swap moving weights and optimizer state over the
-// slowest link, and run slower than EP. Where the newest step's loads are given, the saving is the
-// smaller of the drops on the mean and on the newest step: loads move (the hot expert drifts; an
-// unskewed router's learned imbalance shifts layer by layer while it trains), the mean lags a move
-// and the newest step is noisy, so a swap is adopted only when both say it pays. (Kept runs of
-// 2 emulated hosts x 1 rank, skew 0, 1 Gbit/s: of the 3 layers the mean alone swapped, one's gain
-// had shrunk over the window to a quarter at its newest step and turned to a loss of up to 820
-// tokens a step after the swap.)
+// slowest link, and run slower than EP.
 
 struct SmartMoeConfig {
   int interval = 10;  // f: steps between evaluations (>= 1)
   // Cost model (all 0: unpriced, the paper's rule; else all > 0 and finite): adopted only when
   //   (max rank load before - after) * expert_seconds_per_token * interval
   //       > (most experts one rank receives) * expert_state_bytes / bandwidth
-  // with before - after the smaller of its values on the mean and on the newest loads when given.
   double expert_seconds_per_token = 0;  // one token through one expert, forward + backward
   int64_t expert_state_bytes = 0;       // one expert's parameters + optimizer state
   double bandwidth = 0;                 // bytes/s a rank receives at
@@ -181,7 +174,6 @@ struct SmartMoePlan {
   std::vector<ExpertMove> moves;  // owner_moves(current, owner)
   double max_load_before = 0, max_load_after = 0;  // of the current owners / of the returned owners
   double saved_seconds = 0, move_seconds = 0;  // priced: the greedy's saving over the interval, its swap's cost
-  double drop_on_newest = 0;  // priced with newest loads: the max rank load's drop on them
 };
 
 // Per-rank load [R]: sum of the loads of the experts each rank owns. REQUIRES: owners in
@@ -189,11 +181,9 @@ struct SmartMoePlan {
 std::vector<double> owner_rank_loads(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load);
 
 // owner [E]: current owners, each rank exactly E / n_ranks of them; load [E]: per-expert load averaged
-// over the steps since the last update, summed over ranks; newest [E] or empty: the newest step's loads
-// (the greedy runs on load; newest only prices it). REQUIRES: that, n_ranks >= 1,
+// over the steps since the last update, summed over ranks. REQUIRES: that, n_ranks >= 1,
 // steps_since_update >= 0, cfg.interval >= 1.
 SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std::vector<double>& load,
-                           int steps_since_update, const SmartMoeConfig& cfg,
-                           const std::vector<double>& newest = {});
+                           int steps_since_update, const SmartMoeConfig& cfg);
 
 }  // namespace moe::plan

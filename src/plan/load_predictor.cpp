@@ -42,11 +42,4 @@ std::vector<double> LoadPredictor::predict(int layer) const {
   return out;
 }
 
-std::vector<double> LoadPredictor::latest(int layer) const {
-  if (layer < 0 || layer >= n_layers_) violated("LoadPredictor::latest", "layer out of range");
-  if (steps_ == 0) return std::vector<double>(n_experts_, 1.0);
-  const std::vector<int64_t>& newest = history_[static_cast<size_t>((steps_ - 1) % window_)][layer];
-  return std::vector<double>(newest.begin(), newest.end());
-}
-
 }  // namespace moe::plan

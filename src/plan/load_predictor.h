@@ -24,10 +24,6 @@ class LoadPredictor {
   // REQUIRES: layer in [0, L).
   std::vector<double> predict(int layer) const;
 
-  // The newest step's loads of layer l [E] (1.0 for every expert before any step): where a moving
-  // load is heading, which the window's mean lags. REQUIRES: layer in [0, L).
-  std::vector<double> latest(int layer) const;
-
   int64_t steps_observed() const { return steps_; }
   int window() const { return window_; }
 

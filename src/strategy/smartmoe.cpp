@@ -1,8 +1,7 @@
 // smartmoe: SmartMoE's expert swaps. No replicas; every reshard_every steps its greedy
 // (plan::smartmoe_plan) re-assigns each layer's experts from the loads averaged over those steps,
 // adopted only when the busiest rank's load drops by more than the swap costs to move (priced from the
-// measured cost model, as FlexMoE's moves are), on the window's mean and on its newest step alike.
-// The shards move with their optimizer state.
+// measured cost model, as FlexMoE's moves are). The shards move with their optimizer state.
 #include <algorithm>
 
 #include "plan/baselines.h"
@@ -43,7 +42,7 @@ class SmartMoe : public Strategy {
     std::vector<std::vector<int>> next;
     for (size_t i = 0; i < owners.size(); ++i)
       next.push_back(plan::smartmoe_plan(owners[i].owner, owners[i].n_ranks, predictor_.predict(static_cast<int>(i)),
-                                         reshard_every_, config_, predictor_.latest(static_cast<int>(i)))
+                                         reshard_every_, config_)
                          .owner);
     return next;
   }
