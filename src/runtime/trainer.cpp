@@ -805,6 +805,9 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
   window_exposed_ms_ += f.exposed_comm_ms;
   ++window_steps_;
   const int64_t done = step + 1;
+  // What runs between steps (the loads' gather, a link refresh, re-sharding) is the run's time too:
+  // counted in the window's throughput, as the steps are.
+  const auto between_start = std::chrono::steady_clock::now();
   StepLoads l;
   if (Status s = gather_loads(&l); !s) return s;
   refresh_costs(f, l);
@@ -814,16 +817,16 @@ Status TrainingRun::after_step(int64_t step, const StepFigures& f) {
   strategy_.observe(global_loads, strategy::StepTimes{f.attn_ms * 1e-3});
   int experts_moved = 0;
   // Moving shards and their moments between steps is the strategy's cost as much as its steps are:
-  // timed here, outside step_ms, and counted in the window's throughput.
+  // timed here, outside step_ms (reshard_ms).
   const auto reshard_start = std::chrono::steady_clock::now();
   try {
     experts_moved = strategy_.reshard(*opt_, done);  // when due (Hecate's Alg. 2, SmartMoE, FlexMoE)
   } catch (const std::runtime_error& e) {
     return Status::error(std::string("re-sharding: ") + e.what());
   }
-  const double reshard_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - reshard_start).count();
-  window_seconds_ += reshard_seconds;
+  const auto between_end = std::chrono::steady_clock::now();
+  const double reshard_seconds = std::chrono::duration<double>(between_end - reshard_start).count();
+  window_seconds_ += std::chrono::duration<double>(between_end - between_start).count();
   write_metrics(done, f, l, experts_moved, reshard_seconds);
   print_progress(done, f, l);
   return Status::ok();
