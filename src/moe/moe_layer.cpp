@@ -306,15 +306,21 @@ void MoeLayer::to_send_order(const TokenExchange& ex, float* dst, const float* s
   for (int64_t i = 0; i < n; ++i) std::copy(src + i * C, src + (i + 1) * C, dst + ex.inv_send_perm[i] * C);
 }
 
+// Doubled at least: a padded exchange's slots creep up over the steps, and each growth reallocates and
+// zeroes twelve buffers (tens of MB, page faults included: 20-100 ms in one dispatch on 2 ranks),
+// which grown to the exact size every small rise paid again (most steps of a 12-step run).
 void MoeLayer::grow_exchange_buffers(int64_t received_rows, int64_t sent_rows) {
   const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
-  if (static_cast<int64_t>(xr_.numel()) < received_rows * C) {
-    for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({received_rows, C});
-    for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({received_rows, F});
+  const int64_t held_rows = static_cast<int64_t>(xr_.numel()) / C;
+  if (held_rows < received_rows) {
+    const int64_t rows = std::max(received_rows, 2 * held_rows);
+    for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
+    for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
     if (cfg_.activation == Activation::swiglu)
-      for (Tensor* t : {&h3_, &dh3_}) t->resize({received_rows, F});
+      for (Tensor* t : {&h3_, &dh3_}) t->resize({rows, F});
   }
-  if (static_cast<int64_t>(xs_.numel()) < sent_rows * C) xs_.resize({sent_rows, C});
+  const int64_t send_rows = static_cast<int64_t>(xs_.numel()) / C;
+  if (send_rows < sent_rows) xs_.resize({std::max(sent_rows, 2 * send_rows), C});
 }
 
 // Every rank sends each expert of the ep group ex->slots rows (its kept rows first, then zeros),
