@@ -340,9 +340,11 @@ int cluster_strategies(const BenchOptions& opt) {
   std::string measured_transfers;
   for (size_t c = 0; c < configs.size(); ++c)
     measured_transfers += str_cat(c ? ", " : "", configs[c].name(), " ", std::round(100 * transfer_cpu[c].threads) / 100,
-                                  " / ", std::round(100 * transfer_cpu[c].slowdown) / 100);
-  report.note("sim: a transfer between hosts counted as w compute threads and slowed x times beside compute, w / x "
-              "measured at each configuration's cap before its rounds (moe bench transfer-cpu, 3 rounds): " +
+                                  " / ", std::round(100 * transfer_cpu[c].slowdown) / 100, " / ",
+                                  std::round(1000 * transfer_cpu[c].exchange_bytes_per_s * 1e-9) / 1000);
+  report.note("sim: a transfer between hosts counted as w compute threads and slowed x times beside compute, and "
+              "the NIC carrying at most what an exchange alone reached (GB/s each way, where below the cap); w / x / "
+              "GB/s measured at each configuration's cap before its rounds (moe bench transfer-cpu, 3 rounds): " +
               measured_transfers);
   size_t cal_done = 0;
   for (const auto& c : cal_runs) cal_done += c.size();

@@ -66,14 +66,15 @@ Status EmulatedCluster::measure_transfer_cpu(int rounds, TransferCpu* out) const
   const ShellResult r = run_shell(command(str_cat("run --ranks-per-node 1 -- ", self_exe("moe"),
                                                   " bench transfer-cpu --json --repeats ", rounds)));
   const nlohmann::json doc = child_document(r.output);
-  // tables[1] "result": rows ["cpu threads per transfer w (median)", w] and
-  // ["exchange beside / alone (median)", slowdown]
+  // tables[1] "result": rows ["cpu threads per transfer w (median)", w],
+  // ["exchange beside / alone (median)", slowdown] and ["exchange alone GB/s each way (median)", GB/s]
   if (r.exit_code == 0 && doc.is_object() && doc.contains("tables") && doc["tables"].size() == 2) {
     const nlohmann::json& rows = doc["tables"][1]["rows"];
     auto figure = [&](size_t i) { return rows[i].size() == 2 && rows[i][1].is_number(); };
-    if (rows.size() == 2 && figure(0) && figure(1)) {
+    if (rows.size() == 3 && figure(0) && figure(1) && figure(2)) {
       out->threads = rows[0][1].get<double>();
       out->slowdown = std::max(1.0, rows[1][1].get<double>());
+      out->exchange_bytes_per_s = std::max(0.0, rows[2][1].get<double>()) * 1e9;
       return Status::ok();
     }
   }

@@ -3,6 +3,7 @@
 // happens in between. Needs root and network namespaces; without them up() is false and why() says why.
 #pragma once
 
+#include <algorithm>
 #include <string>
 
 #include "sim/cluster.h"
@@ -37,9 +38,14 @@ class EmulatedCluster {
   struct TransferCpu {
     double threads = 1;   // compute threads' worth of a host's cores one transfer takes (w)
     double slowdown = 1;  // how many times longer a transfer takes beside a compute thread than alone
+    double exchange_bytes_per_s = 0;  // what an exchange alone sent each way (0: not measured)
+    // The NIC port carries at most what an exchange alone reached: at 10 Gbit/s the kernel's TCP work
+    // on these cores, not the cap, bounds it (docs/sim.md).
     void apply(sim::ClusterSpec* spec) const {
       spec->cpu_threads_per_transfer = threads;
       spec->cpu_transfer_slowdown = slowdown;
+      if (exchange_bytes_per_s > 0)
+        spec->node.nic_port.bandwidth = std::min(spec->node.nic_port.bandwidth, exchange_bytes_per_s);
     }
   };
   // `moe bench transfer-cpu` across the hosts at the current cap (1 rank each, `rounds` rounds). An

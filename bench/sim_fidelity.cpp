@@ -264,8 +264,10 @@ int sim_fidelity(const BenchOptions& opt) {
   if (no_hosts.empty())
     report.note(str_cat("2 hosts: a transfer between them counted as ", std::round(100 * transfer_cpu.threads) / 100,
                         " compute threads and ", std::round(100 * transfer_cpu.slowdown) / 100,
-                        "x slower beside compute, measured at the cap before the runs (moe bench transfer-cpu, "
-                        "3 rounds)"));
+                        "x slower beside compute, the NIC carrying at most ",
+                        std::round(1000 * transfer_cpu.exchange_bytes_per_s * 1e-9) / 1000,
+                        " GB/s each way (an exchange alone, where below the cap), measured at the cap before the runs "
+                        "(moe bench transfer-cpu, 3 rounds)"));
   std::string cal_all;
   for (size_t k = 0; k < cal_ms.size(); ++k) cal_all += run_cell(cal_ms[k], cal_spread[k]);
   report.note("the calibration runs measured" + cal_all + " ms (as \"measured\" below; in brackets the rank spread)");
