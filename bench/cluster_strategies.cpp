@@ -27,7 +27,8 @@
 //                ep runs made in the same rounds, one at the start of each round of the configuration,
 //                so that the calibration meets the machine's spells as the runs it predicts do (this
 //                machine's speed moves by up to 1.7x within seconds: docs/cpus.md); the hosts joined by
-//                one NIC each at the configured cap, each run's own recorded loads replayed, the same
+//                one NIC each at the configured cap (or what an exchange alone reached across them,
+//                bench transfer-cpu, where lower), each run's own recorded loads replayed, the same
 //                strategy object
 //   sim err      predicted / measured step graph time (compute + exposed communication, which the
 //                simulator models; the optimizer is in neither) - 1

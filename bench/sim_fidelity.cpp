@@ -27,8 +27,9 @@
 //     leaves (sim/executor.h, sim::shared_cores_cluster);
 //   * 2 hosts: the calibrated device and intra-host links, and between the hosts one NIC per host at the
 //     configured cap in payload bytes/s (the cap's bits / 8 over the frame bytes per TCP payload byte at
-//     MTU 1500, 1514 / 1448), latency 0: the emulation adds none (no netem on this kernel; the veth's
-//     own is tens of microseconds) (sim::two_node_cluster). The hosts share this machine's cores.
+//     MTU 1500, 1514 / 1448), or what an exchange alone reached across them where lower (bench
+//     transfer-cpu), latency 0: the emulation adds none (no netem on this kernel; the veth's own is tens
+//     of microseconds) (sim::two_node_cluster). The hosts share this machine's cores.
 // The emulated cluster needs root and network namespaces; without them the row says why it is skipped.
 // The cluster is always brought down (also when a run fails).
 #include <unistd.h>
