@@ -29,7 +29,7 @@
 //                machine's speed moves by up to 1.7x within seconds: docs/cpus.md); the hosts joined by
 //                one NIC each at the configured cap (or what an exchange alone reached across them,
 //                bench transfer-cpu, where lower), each run's own recorded loads replayed, the same
-//                strategy object
+//                strategy object starting from the link figure the run measured at start-up
 //   sim err      predicted / measured step graph time (compute + exposed communication, which the
 //                simulator models; the optimizer is in neither) - 1
 //   fastest err  the same for the strategy's fastest round, predicted from the configuration's fastest
@@ -79,6 +79,7 @@ struct Run {
   bool ok = false;
   double step_ms = 0, graph_ms = 0, exposed_ms = 0, sparse_mb = 0, rank_imbalance = 0, t = 0;
   std::string metrics;  // the run's metrics file (kept for the simulator's replay)
+  double link_gbs = 0;  // the link figure the run's planners started from (its cost model measured at start-up)
 };
 
 Run train(const std::string& launch, const std::string& args, const std::string& metrics, const std::string& trace) {
@@ -98,6 +99,8 @@ Run train(const std::string& launch, const std::string& args, const std::string&
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && run.link_gbs == 0 && j.contains("cost_model"))
+      run.link_gbs = j["cost_model"].value("network_gbs", 0.0);
     if (j.is_discarded() || !j.contains("step_ms") || j["step"].get<int>() <= kWarmup) continue;
     step.push_back(j["step_ms"]);
     reshard_ms += j.value("reshard_ms", 0.0);
@@ -118,20 +121,24 @@ Run train(const std::string& launch, const std::string& args, const std::string&
 }
 
 // The simulator's graph time of a run of `strategy` replaying its recorded load (after the warm-up,
-// the same steps as Run::graph_ms).
+// the same steps as Run::graph_ms), its planners starting from the link figure the run's did (the
+// measured inputs it decided on: the modeled cluster's own figure is a device's share of the NIC, where
+// the run's ping-pongs read the whole NIC on 2 x 2, and FlexMoE then placed replicas in the runs and
+// none in their predictions; docs/sim.md).
 Status predict(const sim::ClusterSpec& cluster, const std::string& strategy, int reshard_every, int ranks,
-               const std::string& metrics, double* ms) {
+               const Run& run, double* ms) {
   sim::SimRunConfig cfg;
   cfg.cluster = cluster;
   cfg.model = ModelConfig{};
   cfg.strategy = strategy;
   cfg.placement.reshard_every = reshard_every;
+  cfg.placement.measured_link_gbs = run.link_gbs;
   cfg.ranks = ranks;
   cfg.ep_size = ranks;
   cfg.batch = 16;
   cfg.steps = kSteps;
   cfg.allreduce_micro_bytes = 256 << 10;  // moe train's default
-  return simulated_graph_ms(cfg, metrics, kWarmup, ms);
+  return simulated_graph_ms(cfg, run.metrics, kWarmup, ms);
 }
 
 }  // namespace
@@ -291,7 +298,7 @@ int cluster_strategies(const BenchOptions& opt) {
       for (int r = 0; r < rounds; ++r) {
         const Run& run = runs[c][s][r];
         double ms = 0;
-        if (run.ok && spec_status && predict(spec, name, reshard_every, ranks, run.metrics, &ms)) pred.push_back(ms);
+        if (run.ok && spec_status && predict(spec, name, reshard_every, ranks, run, &ms)) pred.push_back(ms);
         if (run.ok)
           kept_runs << cf.name() << '\t' << strategies[s] << '\t' << r << '\t'
                     << fs::path(run.metrics).filename().string() << '\t' << run.step_ms << '\t' << run.graph_ms
@@ -302,7 +309,7 @@ int cluster_strategies(const BenchOptions& opt) {
       for (const Run& r : runs[c][s])
         if (r.ok && (!fastest || r.graph_ms < fastest->graph_ms)) fastest = &r;
       double fast_err = nan, fast_ms = 0;
-      if (fastest && fast_status && predict(fast_spec, name, reshard_every, ranks, fastest->metrics, &fast_ms) &&
+      if (fastest && fast_status && predict(fast_spec, name, reshard_every, ranks, *fastest, &fast_ms) &&
           fastest->graph_ms > 0)
         fast_err = 100 * (fast_ms / fastest->graph_ms - 1);
       report.row({strategies[s], med(s, &Run::step_ms), ep_step > 0 ? med(s, &Run::step_ms) / ep_step : nan,

@@ -345,6 +345,14 @@ TEST(SimStrategies, WeightsBandwidthFollowsTheSimulatedTransfers) {
   cfg.placement.link_gbs = 3;
   ASSERT_TRUE(simulate(cfg, &r));
   for (const auto& s : r.steps) EXPECT_EQ(s.placement.weights_gbs, 3);
+  // A replayed run's start-up figure: the first step is priced at it, then the rate follows the steps.
+  cfg.placement.link_gbs = 0;
+  cfg.placement.measured_link_gbs = 3;
+  ASSERT_TRUE(simulate(cfg, &r));
+  EXPECT_EQ(r.steps[0].placement.weights_gbs, 3);
+  bool followed = false;
+  for (const auto& s : r.steps) followed = followed || s.placement.weights_gbs != 3;
+  EXPECT_TRUE(followed) << "the weights rate stayed at the start-up figure";
 }
 
 std::string trace_text(const SimRunResult& r) {

@@ -188,6 +188,9 @@ CLI::App* add_sim_command(CLI::App& app, SimFlags* f) {
                 "hecate: Alg. 2 every N steps; smartmoe: its interval; flexmoe: its replan interval (-1: 100/100/50)");
   c->add_option("--link-gbs", p.link_gbs,
                 "GB/s the planners' cost models assume for moving expert weights (0: the cluster's, see docs/sim.md)");
+  c->add_option("--start-link-gbs", p.measured_link_gbs,
+                "GB/s the planners' cost models start from and then follow the simulated steps' transfers, as the "
+                "trainer's do (to predict a run: its metrics' first cost_model.network_gbs; 0: the cluster's)");
   c->add_option("--trace", f->trace, "write a Chrome trace of every rank and step to FILE");
   c->add_option("--metrics", f->metrics, "write per-step metrics as JSON lines to FILE");
   c->add_option("--calibrate", f->calibrate,

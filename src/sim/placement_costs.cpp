@@ -300,7 +300,8 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   if (s.placement.load_window < 1) return Status::error("load window must be >= 1");
   if (s.placement.replica_slots < -1 || s.placement.overlap_degree < -1 || s.placement.reshard_every < -1)
     return Status::error("replica slots, overlap degree and reshard-every must be >= 0 (-1: default)");
-  if (!(s.placement.link_gbs >= 0) || !std::isfinite(s.placement.link_gbs)) return Status::error("link GB/s must be >= 0");
+  for (double gbs : {s.placement.link_gbs, s.placement.measured_link_gbs})
+    if (!(gbs >= 0) || !std::isfinite(gbs)) return Status::error("link GB/s must be >= 0");
   if (!(s.bandwidth > 0) && !(s.placement.link_gbs > 0))
     return Status::error(str_cat("strategy ", name, ": no bandwidth for the planners' cost models"));
 
@@ -334,9 +335,12 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   }
   const double gemm_rate = s.device.peak_flops * efficiency(s.device, std::max(balanced_flops, 1.0)) *
                            kind_speed(s.device, graph::op_kind_name(OpKind::expert_fwd));
-  const double bandwidth = s.placement.link_gbs > 0 ? s.placement.link_gbs * 1e9 : s.bandwidth;
+  // A given figure (link_gbs, or a replayed run's measured one) stands for every bandwidth the
+  // trainer's make_cost_model sets from its one measured figure.
+  const double given = s.placement.link_gbs > 0 ? s.placement.link_gbs : s.placement.measured_link_gbs;
+  const double bandwidth = given > 0 ? given * 1e9 : s.bandwidth;
   setup.cost = strategy::make_cost_model(s.model, bandwidth, gemm_rate);
-  setup.cost.overlap_bandwidth = s.placement.link_gbs > 0 ? bandwidth : s.overlap_bandwidth > 0 ? s.overlap_bandwidth : bandwidth;
+  setup.cost.overlap_bandwidth = given > 0 ? bandwidth : s.overlap_bandwidth > 0 ? s.overlap_bandwidth : bandwidth;
   setup.cost.transfers_take_compute = s.cpu_ranks;
   setup.cost.intra_node = s.intra_node;
   setup.cost.inter_node = s.inter_node;

@@ -40,6 +40,9 @@ struct PlacementOptions {
   int replica_slots = -1;      // hecate: m extra experts per rank and layer (-1: E / ranks)
   int load_window = 5;         // hecate: steps of the load predictor's window (>= 1)
   double link_gbs = 0;         // GB/s the planners' cost models assume (0: placement_bandwidth(cluster))
+  // GB/s a replayed run's start-up measurement gave its planners (0: placement_bandwidth(cluster)): where
+  // link_gbs is 0 the cost model starts from it and then follows the simulated steps, as the trainer's.
+  double measured_link_gbs = 0;
   // hecate: Alg. 2 every N steps; smartmoe: its interval; flexmoe: its replan interval (-1: the
   // runtime's defaults, 100 / 100 / 50; 0: never, except flexmoe's balance trigger).
   int reshard_every = -1;
