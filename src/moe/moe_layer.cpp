@@ -141,7 +141,7 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
     ep_ = batch_ = nullptr;
     return;
   }
-  const int64_t P = ep->size(), E = cfg_.n_experts, K = cfg_.top_k, C = cfg_.d_model, F = cfg_.d_ffn;
+  const int64_t P = ep->size(), E = cfg_.n_experts, K = cfg_.top_k;
   if (E % P != 0)
     throw std::invalid_argument("expert parallelism: n_experts (" + std::to_string(E) +
                                 ") must be a multiple of the ranks in the expert-parallel group (" +
@@ -176,10 +176,7 @@ void MoeLayer::set_expert_parallel(comm::Communicator* ep, comm::Communicator* b
   all_counts_.assign(batch->size() * K * E, 0);
   stats_.assign(E + 2, 0.0);
   prior_.assign(E * K, 0);
-  for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
-  for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
-  if (cfg_.activation == Activation::swiglu)
-    for (Tensor* t : {&h3_, &dh3_}) t->resize({rows, F});
+  size_received_buffers(rows);
 }
 
 void MoeLayer::forward_ep(float* y, const float* x, int64_t N) {
@@ -306,19 +303,21 @@ void MoeLayer::to_send_order(const TokenExchange& ex, float* dst, const float* s
   for (int64_t i = 0; i < n; ++i) std::copy(src + i * C, src + (i + 1) * C, dst + ex.inv_send_perm[i] * C);
 }
 
-// Doubled at least: a padded exchange's slots creep up over the steps, and each growth reallocates and
-// zeroes twelve buffers (tens of MB, page faults included: 20-100 ms in one dispatch on 2 ranks),
-// which grown to the exact size every small rise paid again (most steps of a 12-step run).
-void MoeLayer::grow_exchange_buffers(int64_t received_rows, int64_t sent_rows) {
+void MoeLayer::size_received_buffers(int64_t rows) {
   const int64_t C = cfg_.d_model, F = cfg_.d_ffn;
+  for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
+  for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
+  if (cfg_.activation == Activation::swiglu)
+    for (Tensor* t : {&h3_, &dh3_}) t->resize({rows, F});
+}
+
+// Doubled at least: a padded exchange's slots creep up over the steps, and each growth reallocates and
+// zeroes the received rows' buffers (tens of MB, page faults included: 20-100 ms in one dispatch on 2
+// ranks). Grown to the exact size, every small rise paid that again (most steps of a 12-step run).
+void MoeLayer::grow_exchange_buffers(int64_t received_rows, int64_t sent_rows) {
+  const int64_t C = cfg_.d_model;
   const int64_t held_rows = static_cast<int64_t>(xr_.numel()) / C;
-  if (held_rows < received_rows) {
-    const int64_t rows = std::max(received_rows, 2 * held_rows);
-    for (Tensor* t : {&xr_, &xe_, &ye_, &yr_, &dr_, &de_, &dxe_, &dxr_}) t->resize({rows, C});
-    for (Tensor* t : {&h1_, &act_, &dact_, &dh_}) t->resize({rows, F});
-    if (cfg_.activation == Activation::swiglu)
-      for (Tensor* t : {&h3_, &dh3_}) t->resize({rows, F});
-  }
+  if (held_rows < received_rows) size_received_buffers(std::max(received_rows, 2 * held_rows));
   const int64_t send_rows = static_cast<int64_t>(xs_.numel()) / C;
   if (send_rows < sent_rows) xs_.resize({std::max(sent_rows, 2 * send_rows), C});
 }

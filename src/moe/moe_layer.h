@@ -301,6 +301,7 @@ class MoeLayer {
   void plan_padded_exchange(TokenExchange* ex, const std::vector<std::vector<int64_t>>& kept);  // the same, padded
   void order_received_rows(TokenExchange* ex);  // perm, local_offset, held_order for this step's held experts
   void to_send_order(const TokenExchange& ex, float* dst /*[send rows, C]*/, const float* src /*[rows, C] expert-major*/);
+  void size_received_buffers(int64_t rows);  // every buffer of received rows to [rows, C] or [rows, F], zeroed
   void grow_exchange_buffers(int64_t received_rows, int64_t sent_rows);
   bool padded_ = false;        // set_padded_exchange
   bool balanced_gate_ = false; // set_balanced_gate
