@@ -138,6 +138,26 @@ TEST(SimCalibrate, TwoNodesJoinedAtTheNicsCap) {
   EXPECT_FALSE(c.cpu_nodes_pinned);
 }
 
+// The spread of op times: each group's samples over its median time per unit of work; groups of
+// fewer than 3 samples or a median under 1 ms left out. Four groups whose time per unit runs at 0.5,
+// 1, 1, 1, 2 of their medians (one at a larger size, whose time per unit is what varies) give the
+// 20 quantiles four 0.5s, twelve 1s, four 2s; a short op that varies 3x and a pair change nothing.
+TEST(SimCalibrate, OpTimeSpreadIsEachOpsTimeOverItsMedian) {
+  std::vector<std::vector<std::pair<double, double>>> groups;
+  for (double ms : {2.0, 3.0, 10.0, 40.0}) {
+    std::vector<std::pair<double, double>> g;
+    for (double f : {1.0, 0.5, 2.0, 1.0, 1.0}) g.emplace_back(ms * f * 1e-3, f * ms / 1e9);
+    groups.push_back(g);
+  }
+  groups.push_back({{0.5e-3, 1}, {1.5e-3, 3}, {0.5e-3, 1}});  // median 0.5 ms: left out
+  groups.push_back({{5e-3, 1}, {50e-3, 10}});                // 2 samples: left out
+  std::vector<double> want(20, 1.0);
+  for (int i = 0; i < 4; ++i) want[i] = 0.5, want[16 + i] = 2.0;
+  EXPECT_EQ(moe::sim::op_time_spread(groups), want);
+  groups.resize(3);  // 15 samples: too few for 20 quantiles
+  EXPECT_TRUE(moe::sim::op_time_spread(groups).empty());
+}
+
 // A synthetic 2-rank run of a small model whose op times follow known figures: compute ops at one
 // rate (launch + max(flops / rate, bytes / bw)), FLOP-less ops on a line, collectives on alpha + x / B;
 // the gradient allreduces run during compute and take 5x their transfer time (contention).

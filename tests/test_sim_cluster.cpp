@@ -2,6 +2,7 @@
 // cluster files and their errors, the roofline.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -318,6 +319,30 @@ TEST(SimClusterJson, OpKindSpeedsRoundTripAndAreChecked) {
   EXPECT_FALSE(ClusterSpec::from_json(bad, &back));
 }
 
+TEST(SimClusterJson, OpTimeQuantilesRoundTripAndAreChecked) {
+  ClusterSpec spec = preset("p3dn.24xlarge", 1);
+  EXPECT_FALSE(spec.to_json().at("node").at("device").contains("op_time_quantiles"));
+  spec.node.device.op_time_quantiles = {0.75, 1.0, 1.5};
+  const nlohmann::json j = spec.to_json();
+  ClusterSpec back;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(j.dump()), &back));
+  EXPECT_EQ(back, spec);
+  for (const auto& [q, why] : {std::pair<std::vector<double>, const char*>{{0.5, 0.0}, "op_time_quantiles[1]"},
+                               {{1.5, 1.0}, "ascending"},
+                               {{-1.0}, "op_time_quantiles[0]"}}) {
+    nlohmann::json bad = j;
+    bad["node"]["device"]["op_time_quantiles"] = q;
+    const Status s = ClusterSpec::from_json(bad, &back);
+    ASSERT_FALSE(s) << why;
+    EXPECT_NE(s.message().find(why), std::string::npos) << s.message();
+  }
+  nlohmann::json bad = j;
+  bad["node"]["device"]["op_time_quantiles"] = {1.0, "slow"};
+  EXPECT_FALSE(ClusterSpec::from_json(bad, &back));
+  bad["node"]["device"]["op_time_quantiles"] = 1.0;
+  EXPECT_FALSE(ClusterSpec::from_json(bad, &back));
+}
+
 TEST(SimClusterJson, LoadsAFileAndNamesTheFileInErrors) {
   const std::string path = ::testing::TempDir() + "sim_cluster_test.json";
   {
@@ -433,6 +458,18 @@ TEST(SimCompute, RooflineWithEfficiencyCurveAndLaunchOverhead) {
   EXPECT_DOUBLE_EQ(kind_speed(d, "expert_fwd"), 1);
   EXPECT_DOUBLE_EQ(op_time(d, 3e9, 1e6, kind_speed(d, "attn_fwd")), 100e-6 + 5e-6);
   EXPECT_DOUBLE_EQ(op_time(d, 1e6, 1e9, 0.5), 1e-3 + 5e-6);  // still memory-bound
+  // The spread: no table, 1; entries at the quantiles 1/6, 1/2, 5/6, linear between, flat outside.
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 0.3), 1);
+  d.op_time_quantiles = {0.5, 1.0, 2.0};
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 0), 0.5);
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 1.0 / 6), 0.5);
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 1.0 / 3), 0.75);
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 0.5), 1.0);
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 2.0 / 3), 1.5);
+  EXPECT_DOUBLE_EQ(op_time_factor(d, 1), 2.0);
+  EXPECT_THROW(op_time_factor(d, 1.5), std::logic_error);
+  EXPECT_THROW(op_time_factor(d, std::nan("")), std::logic_error);
+  d.op_time_quantiles.clear();
   EXPECT_THROW(op_time(d, 1, 0, 0), std::logic_error);
   d.max_efficiency = 0;
   EXPECT_THROW(op_time(d, 1, 0), std::logic_error);

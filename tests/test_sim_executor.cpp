@@ -170,6 +170,59 @@ TEST(SimExecutor, ComputeOpsRunAtTheirKindsSpeed) {
   EXPECT_NEAR(end_s(res, 0, 1), 5.0, kNs);
 }
 
+// With op_time_quantiles, every compute op takes its modeled time times a factor drawn per step, rank
+// and op from the table: with {0.5, 2} (entries at the quantiles 1/4 and 3/4, linear between) a 1 s
+// op takes 0.5-2 s. The two ranks draw apart, the exchange that follows waits for the slower, so the
+// step is the longer rank's op; the same inputs give the same steps; a table of ones is no table.
+TEST(SimExecutor, OpTimesVaryByTheDevicesMeasuredSpreadAndTheExchangeWaitsForTheSlowerRank) {
+  DeviceSpec device = unit_device();
+  device.op_time_quantiles = {0.5, 2.0};
+  ClusterSpec spec = star_spec(2, 1e9, 0, device);
+  std::vector<StepGraph> g(2);
+  for (int r = 0; r < 2; ++r) {
+    g[r].add_stream("a2a", true);
+    const int c = compute(g[r], 1e14);  // 1 s at the modeled rate
+    comm(g[r], 1, Collective::allreduce, Group::world, 0, {c}, 0);
+  }
+  ExecutorConfig cfg;
+  cfg.ranks = 2;
+  cfg.ep_size = 1;
+  const Cluster cluster(spec);
+  StepExecutor a(cluster, cfg), b(cluster, cfg);
+  int differ = 0, slow = 0;
+  double sum = 0;
+  const int steps = 200;
+  for (int step = 0; step < steps; ++step) {
+    StepResult ra, rb;
+    ASSERT_TRUE(a.run_step(g, &ra));
+    ASSERT_TRUE(b.run_step(g, &rb));
+    double longest = 0;
+    for (int r = 0; r < 2; ++r) {
+      const double t = end_s(ra, r, 0) - start_s(ra, r, 0);
+      EXPECT_GE(t, 0.5 - kNs);
+      EXPECT_LE(t, 2.0 + kNs);
+      EXPECT_EQ(ra.timelines[r].spans[0].end_ns, rb.timelines[r].spans[0].end_ns);  // deterministic
+      longest = std::max(longest, t);
+      sum += t;
+      slow += t > 1.0;
+    }
+    differ += std::abs((end_s(ra, 0, 0) - start_s(ra, 0, 0)) - (end_s(ra, 1, 0) - start_s(ra, 1, 0))) > 1e-3;
+    EXPECT_NEAR(ra.seconds(), longest, 1e-6);  // the allreduce of 0 bytes ends when the slower arrives
+  }
+  EXPECT_GT(differ, steps / 2);
+  // The factor is 0.5 below u = 1/4, 2 above 3/4, 0.5 + 1.5 (u - 1/4) / (1/2) between: half the
+  // draws above 1 and a mean of 1.25 (0.25 x 0.5 + 0.5 x 1.25 + 0.25 x 2).
+  EXPECT_NEAR(static_cast<double>(slow) / (2 * steps), 0.5, 0.08);
+  EXPECT_NEAR(sum / (2 * steps), 1.25, 0.08);
+
+  device.op_time_quantiles = {1.0, 1.0, 1.0};
+  const StepResult ones = run(Cluster(star_spec(2, 1e9, 0, device)), g);
+  device.op_time_quantiles.clear();
+  const StepResult none = run(Cluster(star_spec(2, 1e9, 0, device)), g);
+  EXPECT_EQ(ones.timelines[0].spans[0].end_ns, none.timelines[0].spans[0].end_ns);
+  EXPECT_NEAR(none.seconds(), 1.0, kNs);
+}
+
 // Two ranks: a compute op of `flops` on rank 0 (none on rank 1) and, ready at once, an exchange of
 // 1 GB each way on lane 1.
 std::vector<StepGraph> exchange_beside_compute(double flops) {

@@ -289,6 +289,10 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   std::map<std::pair<std::string, int>, std::vector<std::pair<double, double>>> flop_ops, byte_ops;
   // Compute spans by (run, rank), sorted: the sharing below, and which collectives overlapped compute.
   std::map<std::pair<size_t, int>, std::vector<std::pair<double, double>>> compute_spans;
+  // Per (run, op name, rank), each step's time alone per FLOP (per byte for FLOP-less ops) after the
+  // first step (its first-touch page faults are warm-up): how one op's time varies from step to step.
+  std::map<std::tuple<size_t, std::string, int>, std::vector<std::pair<double, double>>> spread_samples;
+  std::vector<double> d_spread;
   for (size_t ri = 0; ri < runs.size(); ++ri) {
     const Run& run = runs[ri];
     std::vector<std::pair<double, double>> all_compute;  // every rank's
@@ -319,7 +323,13 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
         flops = (op.kind == graph::OpKind::expert_fwd ? 1 : 2) * 2 * mats * rows * model.d_model * model.d_ffn;
       }
       (flops > 0 ? flop_ops : byte_ops)[{name, rank}].emplace_back(flops > 0 ? flops : bytes, t);
+      if (stp > 1) spread_samples[{ri, name, rank}].emplace_back(t, t / (flops > 0 ? flops : std::max(bytes, 1.0)));
     }
+  }
+  {
+    std::vector<std::vector<std::pair<double, double>>> groups;
+    for (auto& [key, samples] : spread_samples) groups.push_back(std::move(samples));
+    d_spread = op_time_spread(groups);
   }
   auto medians = [](const auto& groups, std::vector<double>* x, std::vector<double>* y) {
     for (const auto& [key, samples] : groups) {
@@ -371,6 +381,7 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   d.peak_flops = rate;
   d.max_efficiency = 1;
   d.half_efficiency_flops = 0;
+  d.op_time_quantiles = std::move(d_spread);
   // Per kind, the rate at which that kind's ops sum to their measured time, as a factor on the rate.
   std::map<std::string, std::vector<size_t>> by_kind;
   for (size_t i = 0; i < ck.size(); ++i) by_kind[ck[i]].push_back(i);
@@ -516,6 +527,26 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   return Status::ok();
 }
 
+std::vector<double> op_time_spread(const std::vector<std::vector<std::pair<double, double>>>& groups) {
+  std::vector<double> rel;
+  for (const std::vector<std::pair<double, double>>& samples : groups) {
+    if (samples.size() < 3) continue;
+    std::vector<double> t, per;
+    for (const auto& [ti, pi] : samples) t.push_back(ti), per.push_back(pi);
+    std::sort(t.begin(), t.end());
+    std::sort(per.begin(), per.end());
+    const double m = per[per.size() / 2];
+    if (t[t.size() / 2] < kSpreadMinSeconds || !(m > 0)) continue;
+    for (const auto& [ti, pi] : samples) rel.push_back(pi / m);
+  }
+  if (rel.size() < static_cast<size_t>(kSpreadQuantiles)) return {};
+  std::sort(rel.begin(), rel.end());
+  std::vector<double> q(kSpreadQuantiles);
+  for (int i = 0; i < kSpreadQuantiles; ++i)
+    q[i] = rel[std::min(rel.size() - 1, static_cast<size_t>((i + 0.5) / kSpreadQuantiles * rel.size()))];
+  return q;
+}
+
 std::string describe(const CalibrationResult& r) {
   std::string s = r.runs == 1 ? str_cat("calibration of a ", r.ranks, "-rank run, batch ", r.batch, " sequences\n")
                               : str_cat("calibration of ", r.runs, " runs of ", r.ranks, " ranks, batch ", r.batch,
@@ -536,6 +567,9 @@ std::string describe(const CalibrationResult& r) {
   } else {
     s += str_cat("  (rms ", r.compute_model_rms * 1e6, " us per op)\n");
   }
+  if (!d.op_time_quantiles.empty())
+    s += str_cat("  an op's time over its median from step to step: 10th percentile ", op_time_factor(d, 0.1),
+                 ", 90th ", op_time_factor(d, 0.9), "\n");
   if (r.cluster.cpu_cores > 0)
     s += str_cat("  CPU ranks: ", r.cluster.cpu_threads_per_device, " compute thread(s) each on ", r.cluster.cpu_cores,
                  " shared cores (the run's oversubscription ", r.cores_share, "; op times reduced to time alone)\n");

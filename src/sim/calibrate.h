@@ -23,6 +23,8 @@
 //       kinds the run did not have. The ordinary least squares line t = a + b * flops over all these
 //       ops is reported too (`compute`): its intercept comes from the kinds' different rates, not
 //       from a fixed cost, so it is not used.
+//   spread: op_time_spread (below) of every compute op's time alone per step: how much one op's time
+//     varies from step to step, which the executor draws from per rank and op (executor.h);
 //   collectives: per instance (step, op; instances of one member are skipped) the transfer time
 //     from the last member's arrival to the first member's end; instances during whose transfer time
 //     a member's compute stream ran are left out (the runtime's lanes poll on the cores that compute:
@@ -53,6 +55,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/config.h"
@@ -101,6 +104,16 @@ Status calibrate(const std::string& run, const ModelConfig& model, CalibrationRe
 Status calibrate(const std::vector<std::string>& runs, const ModelConfig& model, CalibrationResult* out,
                  CalibrationMachine machine = {});
 std::string describe(const CalibrationResult& r);  // the fit, as `moe sim --calibrate` prints it
+
+// DeviceSpec::op_time_quantiles from compute op samples grouped by (run, op name, rank), each sample
+// (time alone, time alone per FLOP, or per byte for FLOP-less ops) of one step after the run's first
+// (its first-touch page faults are warm-up): every sample's time per unit over its group's median, for
+// groups of at least 3 samples whose median time is at least kSpreadMinSeconds (a shorter op's spread
+// is the clock's and the launch's, and it weighs little in a step), at the quantiles (i + 0.5) /
+// kSpreadQuantiles. Empty when fewer than kSpreadQuantiles samples qualify.
+inline constexpr int kSpreadQuantiles = 20;
+inline constexpr double kSpreadMinSeconds = 1e-3;
+std::vector<double> op_time_spread(const std::vector<std::vector<std::pair<double, double>>>& groups);
 Status write_cluster_file(const std::string& path, const ClusterSpec& spec);  // atomically
 
 // Least squares of y on x (n >= 2 points with distinct x; else slope 0, intercept the mean).

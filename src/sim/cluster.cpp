@@ -151,6 +151,20 @@ class Reader {
     r.finish();
   }
 
+  // An array of numbers (absent and optional: *out unchanged).
+  void numbers(const char* key, std::vector<double>* out, bool required = true) {
+    const nlohmann::json* v = find(key, required);
+    if (!v) return;
+    if (!v->is_array()) return fail(str_cat(field(key), " must be an array of numbers, got ", describe(*v)));
+    std::vector<double> values;
+    for (size_t i = 0; i < v->size(); ++i) {
+      if (!(*v)[i].is_number())
+        return fail(str_cat(indexed(field(key), i), " must be a number, got ", describe((*v)[i])));
+      values.push_back((*v)[i].get<double>());
+    }
+    *out = std::move(values);
+  }
+
   // An object of numbers by name (absent and optional: *out unchanged).
   void numbers_by_name(const char* key, std::map<std::string, double, std::less<>>* out, bool required = true) {
     const nlohmann::json* v = find(key, required);
@@ -254,6 +268,11 @@ Status ClusterSpec::validate() const {
     if (!is_compute_kind_name(kind))
       return cluster_error(str_cat("node.device.op_kind_speed has \"", kind, "\", which is not a compute op kind"));
     if (!(s = positive(str_cat("node.device.op_kind_speed.", kind), speed))) return s;
+  }
+  for (size_t i = 0; i < d.op_time_quantiles.size(); ++i) {
+    if (!(s = positive(str_cat("node.device.op_time_quantiles[", i, "]"), d.op_time_quantiles[i]))) return s;
+    if (i > 0 && d.op_time_quantiles[i] < d.op_time_quantiles[i - 1])
+      return cluster_error("node.device.op_time_quantiles must be ascending");
   }
 
   if (!(s = in_range("node.sockets", n.sockets, 1, kMaxSockets))) return s;
@@ -370,6 +389,7 @@ nlohmann::json ClusterSpec::to_json() const {
                            {"max_efficiency", d.max_efficiency},
                            {"half_efficiency_flops", d.half_efficiency_flops}};
   if (!d.op_kind_speed.empty()) device["op_kind_speed"] = d.op_kind_speed;
+  if (!d.op_time_quantiles.empty()) device["op_time_quantiles"] = d.op_time_quantiles;
   nlohmann::json nj = {{"devices", n.devices},
                        {"device", device},
                        {"sockets", n.sockets},
@@ -423,6 +443,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
       d.number("max_efficiency", &ns.device.max_efficiency);
       d.number("half_efficiency_flops", &ns.device.half_efficiency_flops);
       d.numbers_by_name("op_kind_speed", &ns.device.op_kind_speed, /*required=*/false);
+      d.numbers("op_time_quantiles", &ns.device.op_time_quantiles, /*required=*/false);
       d.finish();
     }
     n.integer("sockets", &ns.sockets);

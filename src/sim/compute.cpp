@@ -47,6 +47,18 @@ double kind_speed(const DeviceSpec& device, std::string_view kind) {
   return it == device.op_kind_speed.end() ? 1.0 : it->second;
 }
 
+double op_time_factor(const DeviceSpec& device, double u) {
+  if (!(u >= 0 && u <= 1)) throw std::logic_error("sim::op_time_factor: u must be in [0, 1]");
+  const std::vector<double>& q = device.op_time_quantiles;
+  if (q.empty()) return 1;
+  const double x = u * static_cast<double>(q.size()) - 0.5;  // entry i sits at x = i
+  if (x <= 0) return q.front();
+  const size_t i = static_cast<size_t>(x);
+  if (i + 1 >= q.size()) return q.back();
+  const double f = x - static_cast<double>(i);
+  return q[i] + f * (q[i + 1] - q[i]);
+}
+
 double op_time(const DeviceSpec& device, double flops, double bytes, double speed) {
   require_amount("sim::op_time", "flops", flops);
   require_amount("sim::op_time", "bytes", bytes);

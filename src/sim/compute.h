@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace moe::sim {
 
@@ -26,12 +27,24 @@ struct DeviceSpec {
   // one curve by op size cannot tell apart. The presets list none (datasheets give one peak); a
   // calibration fits one per kind of the run it reads (calibrate.h).
   std::map<std::string, double, std::less<>> op_kind_speed;
+  // How much one op's time varies from step to step: an op's time over its median, at the quantiles
+  // (i + 0.5) / n of the calibration run's compute ops (ascending, each > 0; calibrate.h). On a shared
+  // CPU one op of a step takes 0.7-0.8x to 1.2-1.4x of its median (10th and 90th percentiles), mostly
+  // independently of the same op on another rank, and every exchange waits for the slower rank, so
+  // ranks identical on average still wait for each other. Empty (the presets: a datasheet gives no
+  // spread): every op takes its modeled time.
+  std::vector<double> op_time_quantiles;
 
   bool operator==(const DeviceSpec&) const = default;
 };
 
 // The factor op_kind_speed gives ops of `kind`: its entry, else 1.
 double kind_speed(const DeviceSpec& device, std::string_view kind);
+
+// The factor on one op's modeled time that the draw u in [0, 1) gives: op_time_quantiles interpolated
+// linearly at u (the first and last entries below and above their quantiles); 1 when the table is
+// empty. REQUIRES: u in [0, 1] (std::logic_error).
+double op_time_factor(const DeviceSpec& device, double u);
 
 // Fraction of peak_flops an op of `flops` FLOPs reaches:
 //   efficiency(f) = max_efficiency * f / (f + half_efficiency_flops).

@@ -44,6 +44,18 @@ bool same_structure(const graph::StepGraph& a, const graph::StepGraph& b) {
   return true;
 }
 
+// A uniform draw in [0, 1) for op `op` of rank r in step `step`: splitmix64 of the three, so every
+// (step, rank, op) gets its own draw, independent of the order events are processed in.
+double op_draw(int64_t step, int r, int op) {
+  uint64_t x = static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(r) * 0xC2B2AE3D27D4EB4Full ^
+               static_cast<uint64_t>(op) * 0x165667B19E3779F9ull;
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return static_cast<double>(x >> 11) * 0x1.0p-53;
+}
+
 }  // namespace
 
 const std::vector<std::string>& path_categories() {
@@ -302,6 +314,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   std::vector<double> op_speed(n_ops, 1.0);  // by op id: the device's kind_speed of its kind (the same on every rank)
   if (!device.op_kind_speed.empty())
     for (int op = 0; op < n_ops; ++op) op_speed[op] = kind_speed(device, graph::op_kind_name(g0.ops[op].kind));
+  const bool varies = !device.op_time_quantiles.empty();
 
   auto head_op = [&](int r, int s) -> int {
     const size_t h = head[static_cast<size_t>(r) * n_streams + s];
@@ -417,7 +430,8 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     state[at(r, op)] = graph::OpState::running;
     t_start[at(r, op)] = now;
     if (o.stream == 0) {
-      const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes), op_speed[op]);
+      const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes), op_speed[op]) *
+                           (varies ? op_time_factor(device, op_draw(steps_run_, r, op)) : 1.0);
       if (cpu_cores > 0) {
         progress_sharing(now);
         sharing.push_back({r, op, alone});
@@ -541,6 +555,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   std::reverse(path.begin(), path.end());
   res.critical_path = std::move(path);
   for (size_t i = 0; i < charged.size(); ++i) res.critical_path_s.emplace_back(path_categories()[i], charged[i]);
+  ++steps_run_;
   return Status::ok();
 }
 

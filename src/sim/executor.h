@@ -8,7 +8,9 @@
 //     predecessor ended and after all its dependencies ended;
 //   * priority across lanes: a communication op does not start while a communication op of higher
 //     priority on another lane of the same rank is running or ready (heads its lane, deps ended);
-//   * a compute op takes sim::op_time(device, flops, bytes) (compute.h); on a cluster of CPU ranks
+//   * a compute op takes sim::op_time(device, flops, bytes) (compute.h), times
+//     op_time_factor(device, u) where the device has op_time_quantiles (u: a pseudo-random draw of the
+//     step's index, the rank and the op, independent per rank and op); on a cluster of CPU ranks
 //     (ClusterSpec::cpu_cores > 0) that is its work in seconds of its threads running alone, and a
 //     pool of C cores is shared (processor sharing, as the OS scheduler time-slices threads) among
 //     the compute ops' threads and the lanes moving data between hosts of its ranks. The pools: one
@@ -59,8 +61,9 @@
 // predecessor's end to its own end (so waiting for a priority gate is charged to the waiting op), and
 // the charges sum to the step time exactly.
 //
-// Units: seconds inside; timelines in ns as the runtime's. Determinism: no randomness, ties broken by
-// (rank, op id); the same inputs give the same results bit for bit. Thread safety: none.
+// Units: seconds inside; timelines in ns as the runtime's. Determinism: the op times' draws are a hash
+// of (step, rank, op), ties are broken by (rank, op id); the same inputs give the same results bit for
+// bit. Thread safety: none.
 #pragma once
 
 #include <cstdint>
@@ -156,6 +159,7 @@ class StepExecutor {
   ExecutorConfig cfg_;
   Collectives colls_;
   int64_t flows_started_ = 0;
+  int64_t steps_run_ = 0;  // steps that ran to the end: the step index of op_time_factor's draws
 };
 
 }  // namespace moe::sim
