@@ -10,7 +10,7 @@ namespace moe::sim {
 
 // 100 TFLOP/s at any op size, no launch overhead, memory at `mem_bandwidth` bytes/s.
 inline DeviceSpec test_device(double mem_bandwidth = 1e12) {
-  return DeviceSpec{"test-gpu", 100e12, mem_bandwidth, 0, 1, 0, {}};
+  return DeviceSpec{"test-gpu", 100e12, mem_bandwidth, 0, 1, 0, {}, {}};
 }
 
 // One node of `devices` devices on one PCIe switch (1e12 B/s, no latency).
