@@ -62,7 +62,7 @@ TEST(SimCalibrate, ComputeRateKeepsTheTotalTime) {
   for (double& x : tl) x += launch;
   const double r = moe::sim::fit_compute_rate(flops, bytes, tl, launch, bw);
   EXPECT_NEAR(r, 14e8 / std::accumulate(t.begin(), t.end(), 0.0), 1e-6 * r);
-  moe::sim::DeviceSpec d{"x", r, bw, launch, 1, 0, {}};
+  moe::sim::DeviceSpec d{"x", r, bw, launch, 1, 0, {}, {}};
   double sum = 0;
   for (size_t i = 0; i < flops.size(); ++i) sum += moe::sim::op_time(d, flops[i], bytes[i]);
   EXPECT_NEAR(sum, std::accumulate(tl.begin(), tl.end(), 0.0), 1e-9);
@@ -87,7 +87,7 @@ CalibrationResult synthetic_result() {
   ClusterSpec& c = cal.cluster;
   c.name = "calibrated";
   c.node.devices = 8;
-  c.node.device = {"calibrated", 50e9, 20e9, 1e-5, 1, 0, {}};
+  c.node.device = {"calibrated", 50e9, 20e9, 1e-5, 1, 0, {}, {}};
   c.node.switch_socket = {0};
   c.node.switch_uplink = {4e9, 0};
   c.node.device_switch.assign(8, 0);
