@@ -323,7 +323,9 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
         flops = (op.kind == graph::OpKind::expert_fwd ? 1 : 2) * 2 * mats * rows * model.d_model * model.d_ffn;
       }
       (flops > 0 ? flop_ops : byte_ops)[{name, rank}].emplace_back(flops > 0 ? flops : bytes, t);
-      if (stp > 1) spread_samples[{ri, name, rank}].emplace_back(t, t / (flops > 0 ? flops : std::max(bytes, 1.0)));
+      // An expert op that ran no rows has no rate per FLOP: left out rather than mixed in per byte.
+      if (stp > 1 && (flops > 0 || op.cost.flops == 0))
+        spread_samples[{ri, name, rank}].emplace_back(t, t / (flops > 0 ? flops : std::max(bytes, 1.0)));
     }
   }
   {
