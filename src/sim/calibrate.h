@@ -114,6 +114,7 @@ std::string describe(const CalibrationResult& r);  // the fit, as `moe sim --cal
 inline constexpr int kSpreadQuantiles = 20;
 inline constexpr double kSpreadMinSeconds = 1e-3;
 std::vector<double> op_time_spread(const std::vector<std::vector<std::pair<double, double>>>& groups);
+
 Status write_cluster_file(const std::string& path, const ClusterSpec& spec);  // atomically
 
 // Least squares of y on x (n >= 2 points with distinct x; else slope 0, intercept the mean).
