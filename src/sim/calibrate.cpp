@@ -23,6 +23,13 @@ namespace {
 
 using json = nlohmann::json;
 
+// The value at size / 2 of the sorted values (the upper median): every median of this fit.
+// REQUIRES: v non-empty.
+double upper_median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
 Status read_json_lines(const std::string& path, std::vector<json>* out) {
   std::ifstream in(path);
   if (!in) return Status::error(str_cat("calibrate: cannot read metrics ", path));
@@ -292,7 +299,6 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   // Per (run, op name, rank), each step's time alone per FLOP (per byte for FLOP-less ops) after the
   // first step (its first-touch page faults are warm-up): how one op's time varies from step to step.
   std::map<std::tuple<size_t, std::string, int>, std::vector<std::pair<double, double>>> spread_samples;
-  std::vector<double> d_spread;
   for (size_t ri = 0; ri < runs.size(); ++ri) {
     const Run& run = runs[ri];
     std::vector<std::pair<double, double>> all_compute;  // every rank's
@@ -328,19 +334,12 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
         spread_samples[{ri, name, rank}].emplace_back(t, t / (flops > 0 ? flops : std::max(bytes, 1.0)));
     }
   }
-  {
-    std::vector<std::vector<std::pair<double, double>>> groups;
-    for (auto& [key, samples] : spread_samples) groups.push_back(std::move(samples));
-    d_spread = op_time_spread(groups);
-  }
   auto medians = [](const auto& groups, std::vector<double>* x, std::vector<double>* y) {
     for (const auto& [key, samples] : groups) {
       std::vector<double> a, b;
       for (const auto& [xi, yi] : samples) a.push_back(xi), b.push_back(yi);
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      x->push_back(a[a.size() / 2]);
-      y->push_back(b[b.size() / 2]);
+      x->push_back(upper_median(std::move(a)));
+      y->push_back(upper_median(std::move(b)));
     }
   };
   std::vector<double> cf, ct, cb, mb, mt;  // FLOP ops: flops, time, bytes; FLOP-less ops: bytes, time
@@ -348,10 +347,8 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   for (const auto& [key, samples] : flop_ops) {
     std::vector<double> f, t;
     for (const auto& [fi, ti] : samples) f.push_back(fi), t.push_back(ti);
-    std::sort(f.begin(), f.end());
-    std::sort(t.begin(), t.end());
-    cf.push_back(f[f.size() / 2]);
-    ct.push_back(t[t.size() / 2]);
+    cf.push_back(upper_median(std::move(f)));
+    ct.push_back(upper_median(std::move(t)));
     const graph::Op& op = *compute_ops.at(key.first);
     cb.push_back(static_cast<double>(op.cost.bytes));
     ck.push_back(graph::op_kind_name(op.kind));
@@ -383,7 +380,11 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
   d.peak_flops = rate;
   d.max_efficiency = 1;
   d.half_efficiency_flops = 0;
-  d.op_time_quantiles = std::move(d_spread);
+  {
+    std::vector<std::vector<std::pair<double, double>>> groups;
+    for (auto& [key, samples] : spread_samples) groups.push_back(std::move(samples));
+    d.op_time_quantiles = op_time_spread(groups);
+  }
   // Per kind, the rate at which that kind's ops sum to their measured time, as a factor on the rate.
   std::map<std::string, std::vector<size_t>> by_kind;
   for (size_t i = 0; i < ck.size(); ++i) by_kind[ck[i]].push_back(i);
@@ -463,12 +464,10 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
       kind = in.kind;
     }
   }
-  auto points = [&](auto& by_name, std::vector<double>* u, std::vector<double>* v, std::vector<double>* y) {
+  auto points = [&](const auto& by_name, std::vector<double>* u, std::vector<double>* v, std::vector<double>* y) {
     for (auto& [name, c] : by_name) {
-      auto& [ts, bs, kind] = c;
-      std::sort(ts.begin(), ts.end());
-      std::sort(bs.begin(), bs.end());
-      const double t = ts[ts.size() / 2], bytes = bs[bs.size() / 2];
+      const auto& [ts, bs, kind] = c;
+      const double t = upper_median(ts), bytes = upper_median(bs);
       if (kind == "grad_allreduce") {
         u->push_back(2.0 * (P - 1));
         v->push_back(2.0 * (P - 1) / P * bytes);
@@ -535,10 +534,8 @@ std::vector<double> op_time_spread(const std::vector<std::vector<std::pair<doubl
     if (samples.size() < 3) continue;
     std::vector<double> t, per;
     for (const auto& [ti, pi] : samples) t.push_back(ti), per.push_back(pi);
-    std::sort(t.begin(), t.end());
-    std::sort(per.begin(), per.end());
-    const double m = per[per.size() / 2];
-    if (t[t.size() / 2] < kSpreadMinSeconds || !(m > 0)) continue;
+    const double m = upper_median(per);
+    if (upper_median(std::move(t)) < kSpreadMinSeconds || !(m > 0)) continue;
     for (const auto& [ti, pi] : samples) rel.push_back(pi / m);
   }
   if (rel.size() < static_cast<size_t>(kSpreadQuantiles)) return {};
