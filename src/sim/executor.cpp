@@ -314,7 +314,6 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   std::vector<double> op_speed(n_ops, 1.0);  // by op id: the device's kind_speed of its kind (the same on every rank)
   if (!device.op_kind_speed.empty())
     for (int op = 0; op < n_ops; ++op) op_speed[op] = kind_speed(device, graph::op_kind_name(g0.ops[op].kind));
-  const bool varies = !device.op_time_quantiles.empty();
 
   auto head_op = [&](int r, int s) -> int {
     const size_t h = head[static_cast<size_t>(r) * n_streams + s];
@@ -431,7 +430,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     t_start[at(r, op)] = now;
     if (o.stream == 0) {
       const double alone = op_time(device, o.cost.flops, static_cast<double>(o.cost.bytes), op_speed[op]) *
-                           (varies ? op_time_factor(device, op_draw(steps_run_, r, op)) : 1.0);
+                           op_time_factor(device, op_draw(steps_run_, r, op));
       if (cpu_cores > 0) {
         progress_sharing(now);
         sharing.push_back({r, op, alone});
