@@ -14,8 +14,9 @@
 //                over their count, since a median of steps would leave out a cost paid every 5th step
 //   vs ep        step ms / ep's step ms in the same configuration (below 1: faster than ep)
 //   vs ep rounds the same ratio round by round (each run against ep's run of its own round, minutes
-//                apart, so a slow spell of the machine weighs on both): lowest and highest, and in how
-//                many rounds the strategy was faster than ep (all n: the sign test's p = 2^-n)
+//                apart, so a slow spell of the machine weighs on both): the median (a spell that slows
+//                every run of one round moves it less than the ratio of medians), lowest and highest,
+//                and in how many rounds the strategy was faster than ep (all n: the sign test's p = 2^-n)
 //   rounds fastest  in how many rounds the strategy's run was the fastest of all strategies' runs
 //                (a claim of "faster than every baseline" needs it in most rounds, not the medians alone)
 //   exposed ms   communication the compute stream waited for (mean over ranks)
@@ -259,7 +260,7 @@ int cluster_strategies(const BenchOptions& opt) {
       fast_status = calibrated({cal_runs[c][fastest]}, "fastest calibration run", &fast_spec);
     }
     report.table(str_cat("2 hosts x ", cf.ranks_per_host, " rank(s), NIC ", cf.nic, ", ", cf.workload()),
-                 {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"},
+                 {{"strategy", "", 0, 28}, {"step", "ms", 1}, {"step / ep step", "x"}, {"step / ep rounds median", "x"},
                   {"step / ep rounds min", "x"}, {"step / ep rounds max", "x"}, {"rounds faster than ep", "", 0},
                   {"rounds fastest of all", "", 0}, {"exposed comm", "ms", 1}, {"sparse", "MB"},
                   {"ranks max / mean", "x"}, {"t", "", 0},
@@ -284,7 +285,7 @@ int cluster_strategies(const BenchOptions& opt) {
     }
     for (size_t s = 0; s < strategies.size(); ++s) {
       if (med(s, &Run::step_ms) == 0) {
-        report.row({strategies[s] + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan});
+        report.row({strategies[s] + " (failed)", nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan});
         continue;
       }
       std::vector<double> step, ep_step_of_round;  // the rounds where both ran
@@ -313,7 +314,7 @@ int cluster_strategies(const BenchOptions& opt) {
           fastest->graph_ms > 0)
         fast_err = 100 * (fast_ms / fastest->graph_ms - 1);
       report.row({strategies[s], med(s, &Run::step_ms), ep_step > 0 ? med(s, &Run::step_ms) / ep_step : nan,
-                  paired.lowest, paired.highest, paired.below, static_cast<double>(fastest_of_rounds[s]),
+                  paired.median, paired.lowest, paired.highest, paired.below, static_cast<double>(fastest_of_rounds[s]),
                   med(s, &Run::exposed_ms),
                   med(s, &Run::sparse_mb), med(s, &Run::rank_imbalance), med(s, &Run::t),
                   p > 0 ? p : nan, p > 0 && g > 0 ? 100 * (p / g - 1) : nan, fast_err});

@@ -637,6 +637,14 @@ TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {
   EXPECT_EQ(c.remote_after, 15);
   EXPECT_DOUBLE_EQ(c.saved_seconds, 0.28 + 0.285);
   EXPECT_TRUE(c.gather);
+  // On 2 nodes x 2 ranks only the rows between nodes cross the network: rank 0 received 200 of
+  // expert 0's tokens from ranks 2 and 3 (its node's rank 1 sends its 100 over shared memory); with
+  // the copies every rank receives 10 from the other node (5 from each of its ranks): 0.19 s saved.
+  c = price_placement(owners, hot_everywhere, skewed, uniform_nodes(4, 2), CalibrationModel{1e-3, 5e3, 1000, 2, 1e-3});
+  EXPECT_EQ(c.remote_before, 200);
+  EXPECT_EQ(c.remote_after, 10);
+  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.28 + 0.19);
+  EXPECT_TRUE(c.gather);
   EXPECT_THROW(price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 2, -1}),
                std::logic_error);
   EXPECT_THROW(price_placement(owners, even_placement(8, 4), skewed, nodes, CalibrationModel{1e-3, 1e5, 1000}),

@@ -63,18 +63,23 @@ int place_replicas(LayerPlacement& p, int expert, int n, std::vector<int>& free,
 
 int saturate(double x) { return x >= static_cast<double>(INT_MAX) ? INT_MAX : static_cast<int>(x); }
 
-// The busiest rank's tokens under p, and the most any rank receives from the others.
+// The busiest rank's tokens under p, and the most any rank receives over the slowest link class the
+// ranks span: from ranks of other nodes, or from the other ranks when all share one node.
 struct RankLoad {
   int64_t busiest = 0, remote = 0;
 };
 RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts) {
   const auto rows = dispatch_plan(p, nodes, counts);
   const std::vector<int64_t> received = received_tokens(rows);
+  const bool spans_nodes = nodes.n_nodes() > 1;
   RankLoad l;
   for (int d = 0; d < p.n_ranks; ++d) {
-    int64_t own = 0;  // d's tokens its own experts take
-    for (int e = 0; e < p.n_experts(); ++e) own += rows[d][e][d];
-    l.remote = std::max(l.remote, received[d] - own);
+    int64_t slow = 0;  // rows d receives over the slowest link class
+    for (int s = 0; s < p.n_ranks; ++s) {
+      if (spans_nodes ? nodes.node_of_rank[s] == nodes.node_of_rank[d] : s == d) continue;
+      for (int e = 0; e < p.n_experts(); ++e) slow += rows[s][e][d];
+    }
+    l.remote = std::max(l.remote, slow);
   }
   l.busiest = *std::max_element(received.begin(), received.end());
   return l;

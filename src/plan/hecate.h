@@ -72,8 +72,9 @@ struct CalibrationModel {
   // attention backward); on CPU ranks every transfer takes the compute's cores, so 2 (the gather and
   // the gradient's SparseReduceScatter), 3 with rematerialization (the backward gathers again).
   int transfers_per_replica = 1;
-  // Seconds one token's row costs in the all-to-alls when it crosses to another rank (4 exchanges:
-  // dispatch and combine, forward and backward); 0 leaves the all-to-alls out of the price.
+  // Seconds one token's row costs in the all-to-alls when it crosses the slowest link class the ranks
+  // span (4 exchanges: dispatch and combine, forward and backward); 0 leaves the all-to-alls out of
+  // the price.
   double exchange_seconds_per_token = 0;
 };
 
@@ -83,7 +84,7 @@ struct Calibration {
   LayerPlacement placement;    // the calibrated placement when gather, else the one in force
   int64_t busiest_before = 0;  // tokens of the busiest rank under the placement in force
   int64_t busiest_after = 0;   // ... under the calibrated placement (computed in both cases)
-  int64_t remote_before = 0;   // rows the rank receiving the most from other ranks receives, in force
+  int64_t remote_before = 0;   // rows the rank receiving the most over the slowest link receives, in force
   int64_t remote_after = 0;    // ... calibrated
   int64_t gather_bytes = 0;    // bytes received by the rank receiving the most in the extra gather
   double saved_seconds = 0;    // (busiest_before - busiest_after) * expert_seconds_per_token
@@ -99,7 +100,9 @@ struct Calibration {
 // bounds what hides behind attention; this gather is on the critical path, so its price bounds it
 // (the paper re-runs Alg. 1 without saying with which t). Cost model:
 //   busiest(P)      = max over ranks d of the tokens dispatch_plan(P, nodes, counts) sends to d
-//   remote(P)       = max over ranks d of the tokens it receives from other ranks
+//   remote(P)       = max over ranks d of the tokens it receives over the slowest link class the ranks
+//                     span: from ranks of other nodes (rows within a node cross no NIC), or from the
+//                     other ranks when all share one node
 //   saved_seconds   = (busiest(in force) - busiest(calibrated)) * expert_seconds_per_token
 //                     + (remote(in force) - remote(calibrated)) * exchange_seconds_per_token
 //   gather_seconds  = transfers_per_replica * max over ranks of (experts it newly holds) * expert_bytes

@@ -11,24 +11,34 @@
 namespace moe::strategy {
 namespace {
 
+// The share of a rank's tokens that reach it over the slowest link class the ranks span, tokens coming
+// evenly from every rank: those from other nodes, or from the other ranks when all share one node
+// (network_bandwidth is that class's rate).
+double slow_link_share(const plan::Nodes& nodes, int world) {
+  if (nodes.n_nodes() <= 1 || static_cast<int>(nodes.node_of_rank.size()) != world) return (world - 1.0) / world;
+  std::vector<int> ranks_of(nodes.n_nodes(), 0);
+  for (int n : nodes.node_of_rank) ++ranks_of[n];
+  double same_node = 0;  // the chance that a token's source and destination share a node
+  for (int r : ranks_of) same_node += static_cast<double>(r) * r / (static_cast<double>(world) * world);
+  return 1 - same_node;
+}
+
 class SmartMoe : public Strategy {
  public:
   // The loads averaged since the last update: a predictor window of reshard_every steps.
   explicit SmartMoe(const Setup& s)
       : reshard_every_(s.options.reshard_every >= 0 ? s.options.reshard_every : 100),
         predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), std::max(1, reshard_every_)),
-        row_bytes_(row_exchange_bytes(s.model)),
-        world_(std::max(1, s.world)) {
+        exchange_bytes_(row_exchange_bytes(s.model) * slow_link_share(s.nodes, std::max(1, s.world))) {
     config_.interval = std::max(1, reshard_every_);
     update_cost(s.cost);
   }
   // A token routed to a rank costs it the expert's compute and its 4 exchanges (dispatch and combine,
-  // forward and backward; all but 1/world of a rank's tokens come from other ranks): the swap's saving
-  // is in both, and where the step waits on the all-to-all (every GPU preset) mostly in the second.
+  // forward and backward) where it crosses the slowest link: the swap's saving is in both, and where the
+  // step waits on the all-to-all (every GPU preset) mostly in the second.
   void update_cost(const CostModel& c) override {
-    const double exchange_bytes = row_bytes_ * (world_ - 1) / world_;
     config_.expert_seconds_per_token =
-        c.expert_seconds_per_token + (c.network_bandwidth > 0 ? exchange_bytes / c.network_bandwidth : 0);
+        c.expert_seconds_per_token + (c.network_bandwidth > 0 ? exchange_bytes_ / c.network_bandwidth : 0);
     config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
     config_.bandwidth = c.bandwidth;
   }
@@ -50,8 +60,7 @@ class SmartMoe : public Strategy {
  private:
   int reshard_every_ = 0;
   plan::LoadPredictor predictor_;
-  double row_bytes_ = 0;  // row_exchange_bytes(model)
-  int world_ = 1;
+  double exchange_bytes_ = 0;  // a routed token's row bytes over the slowest link, on average
   plan::SmartMoeConfig config_;
 };
 
