@@ -223,6 +223,31 @@ TEST(StrategyDecisions, SmartMoeSwapsOnlyWhenDue) {
   EXPECT_NE(next[0][0], next[0][1]) << "the two hot experts end on different ranks";
 }
 
+// 4 ranks, experts 0 and 1 (of 8) hot on rank 0: the greedy moves 6 experts, at most 2 onto one rank
+// (2 x 786432 B of weights and moments), for 1200 fewer tokens on the busiest rank. Expert time is
+// free (1e18 FLOP/s), so the saving is the exchanges of the rows that no longer cross to it: 2048 B
+// each over the same link. On one host 3 of 4 of a rank's rows come over that link (1200 x 3/4 x
+// 2048 = 1843200 B: the swap pays); on 2 hosts x 2 ranks only the 2 of 4 from the other host do
+// (1228800 B: it does not).
+TEST(StrategyDecisions, SmartMoePricesOnlyTheRowsThatCrossTheSlowestLink) {
+  std::vector<std::vector<int64_t>> hot(2, std::vector<int64_t>{1210, 1210, 10, 10, 10, 10, 10, 10});
+  const std::vector<LayerPlacement> owners(2, moe::plan::even_placement(8, 4));
+  auto decide = [&](int ranks_per_node) {
+    strategy::Setup s = setup(4);
+    s.nodes.node_of_rank.clear();
+    for (int r = 0; r < 4; ++r) s.nodes.node_of_rank.push_back(r / ranks_per_node);
+    s.cost = strategy::make_cost_model(s.model, 1e9, 1e18);
+    s.options.reshard_every = 1;
+    auto m = make("smartmoe", s);
+    m->observe(hot, strategy::StepTimes{});
+    const std::vector<std::vector<int>> next = m->reshard(1, owners);
+    EXPECT_EQ(next.size(), 2u);
+    return next.empty() ? std::vector<int>{} : next[0];
+  };
+  EXPECT_NE(decide(4), owners[0].owner) << "one host: the swap pays";
+  EXPECT_EQ(decide(2), owners[0].owner) << "2 hosts x 2 ranks: rows within a host cross no NIC";
+}
+
 TEST(StrategyDecisions, FlexMoeStartsFromTheOwnersAndKeepsItsPlacement) {
   auto f = make("flexmoe", setup(4));
   const LayerPlacement owners = moe::plan::even_placement(8, 4);
