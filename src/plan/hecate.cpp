@@ -71,12 +71,12 @@ struct RankLoad {
 RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts) {
   const auto rows = dispatch_plan(p, nodes, counts);
   const std::vector<int64_t> received = received_tokens(rows);
-  const bool spans_nodes = nodes.n_nodes() > 1;
+  const std::vector<int> group = slowest_link_groups(nodes);
   RankLoad l;
   for (int d = 0; d < p.n_ranks; ++d) {
     int64_t slow = 0;  // rows d receives over the slowest link class
     for (int s = 0; s < p.n_ranks; ++s) {
-      if (spans_nodes ? nodes.node_of_rank[s] == nodes.node_of_rank[d] : s == d) continue;
+      if (group[s] == group[d]) continue;
       for (int e = 0; e < p.n_experts(); ++e) slow += rows[s][e][d];
     }
     l.remote = std::max(l.remote, slow);

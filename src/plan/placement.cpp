@@ -2,6 +2,7 @@
 #include "plan/placement.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "plan/detail.h"
 
@@ -89,6 +90,13 @@ int Nodes::n_nodes() const {
   int largest = -1;
   for (int id : node_of_rank) largest = std::max(largest, id);
   return largest + 1;
+}
+
+std::vector<int> slowest_link_groups(const Nodes& nodes) {
+  if (nodes.n_nodes() > 1) return nodes.node_of_rank;
+  std::vector<int> own(nodes.node_of_rank.size());
+  std::iota(own.begin(), own.end(), 0);
+  return own;
 }
 
 namespace {

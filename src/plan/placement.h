@@ -53,6 +53,12 @@ struct Nodes {
   int n_nodes() const;            // 1 + the largest id (0 when there are no ranks)
 };
 
+// [R]: a group per rank such that two ranks exchange over the slowest link class the ranks span
+// exactly when their groups differ: their nodes when the ranks span several, else each rank its own
+// (all on one node, the link between two ranks is the slowest). What the planners price rows at
+// the network's rate by.
+std::vector<int> slowest_link_groups(const Nodes& nodes);
+
 // How dispatch_plan spreads the tokens routed to an expert over the ranks holding it:
 //   nearest  Hecate §4.4 (training): tokens that rank s routes to expert e go to a replica on s itself
 //            if there is one, else to the replicas on s's node, else to all replicas. They are spread

@@ -11,16 +11,18 @@
 namespace moe::strategy {
 namespace {
 
-// The share of a rank's tokens that reach it over the slowest link class the ranks span, tokens coming
-// evenly from every rank: those from other nodes, or from the other ranks when all share one node
-// (network_bandwidth is that class's rate).
+// The share of a rank's tokens that reach it over the slowest link class the ranks span
+// (plan::slowest_link_groups; network_bandwidth is that class's rate), tokens coming evenly from every
+// rank: the (source, destination) pairs in different groups. Without a node per rank, as on one node.
 double slow_link_share(const plan::Nodes& nodes, int world) {
-  if (nodes.n_nodes() <= 1 || static_cast<int>(nodes.node_of_rank.size()) != world) return (world - 1.0) / world;
-  std::vector<int> ranks_of(nodes.n_nodes(), 0);
-  for (int n : nodes.node_of_rank) ++ranks_of[n];
-  double same_node = 0;  // the chance that a token's source and destination share a node
-  for (int r : ranks_of) same_node += static_cast<double>(r) * r / (static_cast<double>(world) * world);
-  return 1 - same_node;
+  if (static_cast<int>(nodes.node_of_rank.size()) != world) return (world - 1.0) / world;
+  const std::vector<int> group = plan::slowest_link_groups(nodes);
+  std::vector<int64_t> ranks_of(*std::max_element(group.begin(), group.end()) + 1, 0);
+  for (int g : group) ++ranks_of[g];
+  int64_t same = 0;  // pairs within a group, counted exactly
+  for (int64_t r : ranks_of) same += r * r;
+  const int64_t pairs = static_cast<int64_t>(world) * world;
+  return static_cast<double>(pairs - same) / static_cast<double>(pairs);
 }
 
 class SmartMoe : public Strategy {
