@@ -133,33 +133,6 @@ TEST_F(CliTest, TrainsAndWritesMetrics) {
   EXPECT_NE(m.find("\"tokens_per_expert\""), std::string::npos);
 }
 
-// --balanced-gate, the benchmarks' reference of an even load: under a router skewed onto one expert
-// every expert gets the same rows (4 sequences x 16 tokens x top-2 over 4 experts: 32 each); only ep
-// takes it, by flag or config.
-TEST_F(CliTest, BalancedGateEvensASkewedRouterAndIsEpOnly) {
-  fs::path metrics = dir_ / "m.jsonl";
-  Result r = run_moe("train " + tiny() + "--steps 2 --router-skew 3 --balanced-gate --metrics " + metrics.string());
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("balanced gate:"), std::string::npos) << r.output;
-  std::istringstream lines(read_file(metrics));
-  int steps = 0;
-  for (std::string line; std::getline(lines, line);) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (!j.contains("tokens_per_expert")) continue;
-    ++steps;
-    for (const auto& layer : j["tokens_per_expert"]) EXPECT_EQ(layer, nlohmann::json({32, 32, 32, 32})) << line;
-  }
-  EXPECT_EQ(steps, 2);
-  fs::remove(metrics);
-  r = run_moe("train " + tiny() + "--steps 2 --router-skew 3 --metrics " + metrics.string());
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(read_file(metrics).find("[32,32,32,32]"), std::string::npos) << "the skewed router alone is even";
-  fs::remove(metrics);
-  expect_rejected(tiny() + "--balanced-gate --strategy smartmoe", "balanced_gate: a speed reference for strategy ep");
-  write_file(dir_ / "c.json", R"({"balanced_gate": true, "strategy": "hecate"})");
-  expect_rejected(tiny() + "--config " + (dir_ / "c.json").string(), "not strategy hecate");
-}
-
 // N steps in one go versus N/2, stop, resume, N/2: the final weights and optimizer state are
 // bit-identical (same kernels, same thread count, data position = step).
 TEST_F(CliTest, ResumeIsExact) {

@@ -110,12 +110,6 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
                                  "hecate: free expert replicas after forward and gather them again for backward");
     bindings().push_back({o, [](const TrainConfig& from, TrainConfig* to) { to->rematerialize = from.rematerialize; }});
   }
-  {
-    CLI::Option* o = c->add_flag("--balanced-gate", f->cfg.balanced_gate,
-                                 "speed reference, ep only: every gate replaced by a perfectly balanced one (an even "
-                                 "load, nothing moved; the loss means nothing)");
-    bindings().push_back({o, [](const TrainConfig& from, TrainConfig* to) { to->balanced_gate = from.balanced_gate; }});
-  }
   bind_flag(c, f, "--replica-slots", &TrainConfig::replica_slots,
             "hecate: extra experts a rank may hold per layer (-1: experts per rank); flexmoe: reserved slots (-1: 1)");
   bind_flag(c, f, "--replica-memory-mb", &TrainConfig::replica_memory_mb,

@@ -95,9 +95,6 @@ Status TrainConfig::validate() const {
   if (dtype != "f32" && dtype != "bf16") return fail("dtype '" + dtype + "' is not one of f32, bf16");
   if (dtype == "bf16" && device != "cuda")
     return fail("dtype bf16 needs device cuda (device " + device + " computes and stores in f32 only)");
-  if (balanced_gate && (strategy != "ep" || device != "cpu"))
-    return fail("balanced_gate: a speed reference for strategy ep on device cpu, not strategy " + strategy +
-                " on device " + device);
   if (rematerialize && !graph_options.rematerialize)
     return fail("rematerialize: strategy " + strategy + " does not re-materialize replicas (hecate does)");
   if (replica_slots < -1) return fail("replica_slots must be >= 0 (-1: experts per rank)");
@@ -156,7 +153,6 @@ json TrainConfig::to_json() const {
               {"trace_steps", trace_steps},
               {"strategy", strategy},
               {"rematerialize", rematerialize},
-              {"balanced_gate", balanced_gate},
               {"replica_slots", replica_slots},
               {"replica_memory_mb", replica_memory_mb},
               {"overlap_degree", overlap_degree},
@@ -180,8 +176,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "eval_batches", "metrics", "checkpoint_dir", "checkpoint_every", "resume",
                                 "stop_at_step", "threads", "gemm", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
-                                "balanced_gate", "replica_slots", "replica_memory_mb", "overlap_degree", "load_window",
-                                "link_gbs", "gemm_gflops",
+                                "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops",
                                 "link_refresh_every", "on_nonfinite",
                                 "on_checkpoint_error", "reshard_every", "device", "dtype", "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -205,8 +200,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "ranks_per_node", &c.ranks_per_node)) &&
       (s = read_key(j, "allreduce_micro_kb", &c.allreduce_micro_kb)) && (s = read_key(j, "trace", &c.trace)) &&
       (s = read_key(j, "trace_steps", &c.trace_steps)) && (s = read_key(j, "strategy", &c.strategy)) &&
-      (s = read_key(j, "rematerialize", &c.rematerialize)) && (s = read_key(j, "balanced_gate", &c.balanced_gate)) &&
-      (s = read_key(j, "replica_slots", &c.replica_slots)) &&
+      (s = read_key(j, "rematerialize", &c.rematerialize)) && (s = read_key(j, "replica_slots", &c.replica_slots)) &&
       (s = read_key(j, "replica_memory_mb", &c.replica_memory_mb)) &&
       (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
       (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops)) &&

@@ -65,11 +65,6 @@ struct TrainConfig {
   // the same mathematics; only speed differs.
   std::string strategy = "ep";
   bool rematerialize = false;     // hecate: free replicas after forward, gather them again for backward
-  // A speed reference, not training: ep with every MoE layer's gate replaced by a perfectly balanced one
-  // (MoeLayer::set_balanced_gate), the step time of an even load with nothing moved, which no balancing
-  // strategy can beat by evening the ranks. It computes another function (its loss means nothing).
-  // REQUIRES strategy ep, device cpu.
-  bool balanced_gate = false;
   int64_t replica_slots = -1;     // hecate: extra experts a rank may hold per layer (-1: experts per rank);
                                   // flexmoe: its reserved slots per rank and layer (-1: 1)
   double replica_memory_mb = 0;   // hecate: per-rank budget for one layer's replicas (weights + gradient

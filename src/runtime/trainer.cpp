@@ -365,9 +365,6 @@ Status TrainingRun::set_up() {
   if (gopt_.padded_exchange)
     for (int64_t l = 0; l < model_->n_blocks(); ++l)
       if (MoeLayer* m = model_->moe_layer(l); m && m->expert_parallel()) m->set_padded_exchange(true);
-  if (cfg_.balanced_gate)
-    for (int64_t l = 0; l < model_->n_blocks(); ++l)
-      if (MoeLayer* m = model_->moe_layer(l)) m->set_balanced_gate(true);
   step_graph_ = strategy_.build_step(gopt_);
   runtime::PlacementHooks hooks;
   hooks.place = [this](int64_t l) { return strategy_.place(l); };
@@ -438,8 +435,6 @@ Status TrainingRun::announce() {
                         cfg_.rematerialize ? "; re-materialized for backward" : "");
     say("strategy: %s%s\n", cfg_.strategy.c_str(), detail.empty() ? "" : (detail + ")").c_str());
   }
-  if (cfg_.balanced_gate)
-    say("balanced gate: every MoE layer's gate replaced by an even one (a speed reference; the loss means nothing)\n");
   say("gemm: %s\n", gemm_backend().c_str());
   say("cost model: %s%s\n", strategy::describe(strategy_.cost_model()).c_str(),
       cfg_.link_gbs > 0 || cfg_.gemm_gflops > 0 ? " (with the --link-gbs / --gemm-gflops given)" : " (measured)");
@@ -984,7 +979,7 @@ json resume_identity(const TrainConfig& c) {
                         "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
                         "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "on_nonfinite", "on_checkpoint_error", "reshard_every", "device",
-                        "dtype", "balanced_gate"})
+                        "dtype"})
     j.erase(k);
   return j;
 }
