@@ -17,7 +17,7 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Message sizes of the ping-pong: from latency-bound to bandwidth-bound on a 1 Gbit/s link. A quick
+// Message sizes of the exchanges: from latency-bound to bandwidth-bound on a 1 Gbit/s link. A quick
 // re-measurement during training (measure_links, quick) uses the two largest, fewer times and with no
 // warm-up: smaller messages fit in a shaper's or switch's burst allowance and would overstate the rate
 // (1 MiB messages read 3.4 GB/s through the emulated cluster's 10 Gbit/s token bucket).
@@ -42,24 +42,22 @@ std::vector<int> pair_ranks(const plan::Nodes& nodes, bool same_node) {
   return partner;
 }
 
-// Half the fastest round trip of each size with `partner` (the lower rank sends first).
-Status ping_pong(comm::Communicator& world, int partner, const std::vector<int64_t>& sizes, int repeats,
-                 bool warm_up, std::vector<LinkSample>* out) {
-  const bool first = world.rank() < partner;
-  std::vector<float> buf(*std::max_element(sizes.begin(), sizes.end()) / sizeof(float), 1.0f);
+// The fastest of `repeats` exchanges of each size with `partner`: both ranks send and receive at
+// once, as in a step's all-to-all, so while the pairs of a class measure, every rank keeps sending
+// and the two ranks of a host share its NIC as they do in the step, whether or not the pairs stay in
+// step with each other (ping-pongs did not: the pairs drifted apart and the fastest trip was one
+// that had the link alone, a whole NIC per rank on 2 x 2).
+Status exchange(comm::Communicator& world, int partner, const std::vector<int64_t>& sizes, int repeats,
+                bool warm_up, std::vector<LinkSample>* out) {
+  const size_t largest = *std::max_element(sizes.begin(), sizes.end()) / sizeof(float);
+  std::vector<float> mine(largest, 1.0f), theirs(largest);
   for (int64_t bytes : sizes) {
     const int64_t n = bytes / static_cast<int64_t>(sizeof(float));
     double best = std::numeric_limits<double>::infinity();
     for (int i = warm_up ? 0 : 1; i <= repeats; ++i) {  // i == 0: warm-up (connection set-up, first touch)
       const auto t0 = Clock::now();
-      if (first) {
-        if (Status s = world.send(buf.data(), n, partner, kTag); !s) return s;
-        if (Status s = world.recv(buf.data(), n, partner, kTag); !s) return s;
-      } else {
-        if (Status s = world.recv(buf.data(), n, partner, kTag); !s) return s;
-        if (Status s = world.send(buf.data(), n, partner, kTag); !s) return s;
-      }
-      if (i > 0) best = std::min(best, seconds_since(t0) / 2);
+      if (Status s = world.sendrecv(mine.data(), n, partner, theirs.data(), n, partner, kTag); !s) return s;
+      if (i > 0) best = std::min(best, seconds_since(t0));
     }
     out->push_back({bytes, best});
   }
@@ -129,7 +127,7 @@ Status measure_links(comm::Communicator* world, const plan::Nodes& nodes, bool q
     const int partner = pair_ranks(nodes, same_node)[world->rank()];
     if (partner >= 0) {
       std::vector<LinkSample> samples;
-      if (Status s = ping_pong(*world, partner, sizes, quick ? kQuickRepeats : kRepeats, !quick, &samples); !s) return s;
+      if (Status s = exchange(*world, partner, sizes, quick ? kQuickRepeats : kRepeats, !quick, &samples); !s) return s;
       strategy::LinkCost& link = same_node ? out->intra_node : out->inter_node;
       if (!fit_link_cost(samples, &link)) link = rough_link_cost(samples);
     }

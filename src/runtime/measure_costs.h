@@ -1,6 +1,6 @@
 // The trainer's cost model (strategy::CostModel): what every planner is told about this machine,
 // measured at start-up instead of assumed. Per link class (ranks on one host; ranks on two hosts) an
-// alpha-beta fit of ping-pong times over the world communicator, and the expert GEMM rate of the
+// alpha-beta fit of exchange times over the world communicator, and the expert GEMM rate of the
 // job's pinned kernel on this run's expert shapes. Every rank measures; the ranks then agree on one
 // set (the mean over the ranks that measured a figure, from one allreduce, so the doubles are the
 // same bits everywhere), because every rank must plan identically (invariant 2, docs/architecture.md).
@@ -19,7 +19,7 @@
 
 namespace moe::runtime {
 
-// One timed message: `seconds` from send to arrival of `bytes` bytes (half a ping-pong round trip).
+// One timed message: `seconds` for `bytes` bytes to cross (an exchange of that many each way).
 struct LinkSample {
   int64_t bytes = 0;
   double seconds = 0;
@@ -41,17 +41,17 @@ struct RawCosts {
 // gemm_flops > 0). Collective over world (null: one rank, *agreed = mine).
 Status agree_costs(comm::Communicator* world, const RawCosts& mine, RawCosts* agreed);
 
-// Measures this rank's RawCosts: ping-pongs with a partner on its own host and one on another host
-// (ranks paired lowest-first, all pairs of a class at once, as the step's exchanges load the links
-// together), fitted by fit_link_cost (where the times fit no line, as on oversubscribed cores: the
-// largest message's rate, the smallest one's time as latency), and the pinned GEMM kernel over
-// expert_gemm_shapes(rows, C, F). Collective over world
-// (null: the GEMM rate only). nodes: node of each world rank.
+// Measures this rank's RawCosts: exchanges (each rank sends and receives at once) with a partner on its
+// own host and one on another host (ranks paired lowest-first, all pairs of a class at once, as the
+// step's exchanges load the links together: two ranks of a host share its NIC), fitted by
+// fit_link_cost (where the times fit no line, as on oversubscribed cores: the largest message's rate,
+// the smallest one's time as latency), and the pinned GEMM kernel over expert_gemm_shapes(rows, C, F).
+// Collective over world (null: the GEMM rate only). nodes: node of each world rank.
 Status measure_costs(comm::Communicator* world, const plan::Nodes& nodes, const ModelConfig& model, int64_t rows,
                      RawCosts* out);
 
 // The links alone (out's GEMM rate untouched), as measure_costs does; quick: two sizes (1 and 4 MiB),
-// best of 2, no warm-up, for re-measuring during training (about 170 ms a class at 1 Gbit/s, 17 ms at
+// best of 2, no warm-up, for re-measuring during training (about 85 ms a class at 1 Gbit/s, 9 ms at
 // 10 Gbit/s).
 // Collective over world (null: nothing to measure).
 Status measure_links(comm::Communicator* world, const plan::Nodes& nodes, bool quick, RawCosts* out);

@@ -692,7 +692,7 @@ void TrainingRun::refresh_costs(const StepFigures& f, const StepLoads& l) {
 }
 
 // Every --link-refresh-every steps, for the strategies whose planners price moving weights: the
-// links measured again (a quick ping-pong, ~170 ms a link class at 1 Gbit/s, between steps) and folded
+// links measured again (quick exchanges, ~85 ms a link class at 1 Gbit/s, between steps) and folded
 // into their cost model, so a link that slows or is shared is noticed. Collective; the same decision
 // on every rank.
 Status TrainingRun::refresh_links(int64_t done) {
