@@ -124,8 +124,8 @@ Run train(const std::string& launch, const std::string& args, const std::string&
 // The simulator's graph time of a run of `strategy` replaying its recorded load (after the warm-up,
 // the same steps as Run::graph_ms), its planners starting from the link figure the run's did (the
 // measured inputs it decided on: the modeled cluster's own figure is a device's share of the NIC, where
-// the run's ping-pongs read the whole NIC on 2 x 2, and FlexMoE then placed replicas in the runs and
-// none in their predictions; docs/sim.md).
+// the runs' ping-pongs read the whole NIC on 2 x 2 until 2026-11-29, and FlexMoE then placed replicas
+// in the runs and none in their predictions; docs/sim.md).
 Status predict(const sim::ClusterSpec& cluster, const std::string& strategy, int reshard_every, int ranks,
                const Run& run, double* ms) {
   sim::SimRunConfig cfg;

@@ -115,7 +115,7 @@ TEST(CostModelAgreement, RanksWithDifferentMeasurementsPlanIdentically) {
 
 TEST(CostModelMeasurement, GivesEveryRankTheSameLinkAndGemmRate) {
   const int R = world().size();
-  plan::Nodes nodes;  // every rank its own node: the ping-pong pairs them across "hosts"
+  plan::Nodes nodes;  // every rank its own node: the exchanges pair them across "hosts"
   for (int r = 0; r < R; ++r) nodes.node_of_rank.push_back(r);
   ModelConfig model;
   model.d_model = 64;

@@ -74,9 +74,9 @@ void set_gemm_rate(CostModel* c, const ModelConfig& model, double gemm_flops);
 // After a step whose sparse collectives sent `bytes` of expert weights in `seconds` (over every rank:
 // runtime::weight_transfers, the same figures on every rank), c's weights bandwidth moves half-way to
 // that rate, at most the fastest link's (no transfer outruns an idle link); a step that moved nothing
-// leaves it. Start-up's figure is a ping-pong on an idle link, at its shaper's burst; this is what a
-// replica's transfer costs on the lanes beside the step's compute, so the planners price replicas as
-// they run. Returns whether c changed.
+// leaves it. Start-up's figure is exchanges on links nothing else uses; this is what a replica's
+// transfer costs on the lanes beside the step's compute, so the planners price replicas as they run.
+// Returns whether c changed.
 bool observe_weight_transfers(CostModel* c, double bytes, double seconds);
 // "intra 9.8 GB/s 4 us, inter 0.118 GB/s 60 us, gemm 410 GFLOP/s, weights 1.2 GB/s, t from 0.118 GB/s"
 std::string describe(const CostModel& c);
