@@ -108,8 +108,7 @@ class MpiCommunicator final : public Communicator {
   Clock::time_point deadline() const { return Clock::now() + timeout(); }
   Status mpi_error(const char* op, int rc) const;
   Status check(const char* op, int rc) const { return rc == MPI_SUCCESS ? Status::ok() : mpi_error(op, rc); }
-  // Polls reqs until all complete, sleeping between polls once the wait is not short (the calling
-  // thread gives its core away). recv_peer[i] >= 0 marks request i as a receive from that group
+  // Polls reqs until all complete. recv_peer[i] >= 0 marks request i as a receive from that group
   // rank (named in the timeout message, cancelled on timeout); statuses, if given, has reqs.size().
   Status wait(const char* op, std::span<MPI_Request> reqs, Clock::time_point deadline,
               std::span<const int> recv_peer = {}, MPI_Status* statuses = nullptr);
