@@ -15,6 +15,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -152,6 +153,27 @@ TEST(CommCollectives, AllreduceFloatDoubleInt64OnEveryGroup) {
   // 0 and counts below the group size (empty ring chunks), recursive doubling sizes, ring sizes.
   for (Communicator* c : g_all_groups)
     for (int64_t count : {0, 1, 3, 1000, 16384, 100003, (1 << 20) + 7}) wrong += check_allreduce(*c, count);
+  EXPECT_EQ(total(wrong), 0);
+}
+
+TEST(CommCollectives, SleepingWaitsDeliverTheSameExactDataWhenPeersAreLate) {
+  // WaitMode::sleep changes only how a rank waits: with each rank arriving 30 ms after the previous
+  // one (so every wait but the last rank's passes its short phase and sleeps), the data is exact.
+  std::unique_ptr<Communicator> c;
+  ASSERT_TRUE(world().dup("sleeping", &c).is_ok());
+  EXPECT_EQ(c->wait_mode(), WaitMode::poll);
+  c->set_wait_mode(WaitMode::sleep);
+  std::unique_ptr<Communicator> copy;
+  ASSERT_TRUE(c->dup("sleeping-dup", &copy).is_ok());
+  EXPECT_EQ(copy->wait_mode(), WaitMode::poll);  // not inherited
+  const auto late = std::chrono::milliseconds(30 * c->rank());
+  int64_t wrong = 0;
+  for (int64_t count : {1, 100003}) {
+    std::this_thread::sleep_for(late);
+    wrong += check_allreduce(*c, count);
+    std::this_thread::sleep_for(late);
+    wrong += check_alltoallv(*c, count);
+  }
   EXPECT_EQ(total(wrong), 0);
 }
 
@@ -478,7 +500,9 @@ TEST(CommErrors, MpiErrorBecomesStatusNamingRankOpAndGroup) {
 TEST(CommErrors, CollectiveThatAPeerSkipsTimesOutNamingTheOpThenCompletesWhenItJoins) {
   // Rank 1 is late for an alltoallv: the others get an error after 1 s naming the operation and
   // group. Then rank 1 joins, completing the operation the others left pending; their communicator
-  // stays broken and its destructor waits for that operation before freeing it.
+  // stays broken and its destructor waits for that operation before freeing it. The waits sleep
+  // here (WaitMode::sleep); test_comm_failure times out polling ones. (Not both here: the late
+  // rank's messages to a receive already cancelled can meet a later communicator's receives.)
   const int P = world().size(), r = world().rank();
   if (P < 2) GTEST_SKIP() << "needs 2 ranks";
   std::vector<float> send(P), recv(P, kSentinel);
@@ -488,6 +512,7 @@ TEST(CommErrors, CollectiveThatAPeerSkipsTimesOutNamingTheOpThenCompletesWhenItJ
   {
     std::unique_ptr<Communicator> c;
     ASSERT_TRUE(world().dup("timeout-test", &c).is_ok());
+    c->set_wait_mode(WaitMode::sleep);
     c->set_timeout(std::chrono::seconds(1));
     if (r != 1) {
       auto t0 = std::chrono::steady_clock::now();

@@ -57,6 +57,15 @@ const char* reduce_op_name(ReduceOp op);
 
 inline constexpr std::chrono::milliseconds kDefaultTimeout{60'000};
 
+// How a blocked operation waits for its peers once the wait is not short (the MPI backend; the NCCL
+// backend, whose waits are on device events, always polls).
+//   poll:  keeps polling, offering the core with sched_yield between polls. Lowest latency: for
+//          waits on the critical path (the all-to-all of a step or of a decode step).
+//   sleep: sleeps between polls (tens of microseconds). For lanes that wait behind compute (expert
+//          gathers, gradient reductions): on CPU ranks the lane shares its core with the compute,
+//          and under Linux's EEVDF scheduler a yielding lane still takes its turns there.
+enum class WaitMode : uint8_t { poll, sleep };
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -72,6 +81,10 @@ class Communicator {
   // How long one operation may take before it fails (a dead or stalled peer). REQUIRES: > 0.
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t);
+
+  // How a blocked call waits (above); poll unless set. Not copied by split() or dup().
+  WaitMode wait_mode() const { return wait_mode_; }
+  void set_wait_mode(WaitMode m) { wait_mode_ = m; }
 
   // True after an error: every later call fails with the first error's message.
   bool broken() const { return !error_.empty(); }
@@ -208,6 +221,7 @@ class Communicator {
   int rank_;
   std::vector<int> world_ranks_;
   std::chrono::milliseconds timeout_;
+  WaitMode wait_mode_ = WaitMode::poll;
   std::string error_;  // first error; empty while usable
 };
 

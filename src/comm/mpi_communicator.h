@@ -14,10 +14,11 @@
 // Debian's OpenMPI 4.1 provides MPI_THREAD_MULTIPLE.
 //
 // Timeouts: every operation is issued non-blocking (MPI_Ialltoallv, MPI_Isend/Irecv, ...) and
-// polled with MPI_Test until it completes, MPI reports an error, or timeout() passes. Then the
-// call returns an error Status, e.g. "rank 1: alltoallv on group 'ep0' did not complete within
-// 60 s (a peer rank died or stopped?)", and the communicator is broken: MPI cannot cancel a
-// collective, so the caller ends the job with abort_job(), which makes mpirun stop every rank.
+// polled with MPI_Test (yielding or sleeping between polls, per wait_mode()) until it completes,
+// MPI reports an error, or timeout() passes. Then the call returns an error Status, e.g. "rank 1:
+// alltoallv on group 'ep0' did not complete within 60 s (a peer rank died or stopped?)", and the
+// communicator is broken: MPI cannot cancel a collective, so the caller ends the job with
+// abort_job(), which makes mpirun stop every rank.
 // (Usually mpirun is faster: it kills the whole job as soon as a rank dies, naming it.)
 // Errors: communicators use MPI_ERRORS_RETURN; an MPI error becomes a Status with the rank, the
 // operation, the group and MPI_Error_string's text.

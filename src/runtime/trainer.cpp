@@ -354,6 +354,10 @@ Status TrainingRun::set_up() {
     for (int r = 0; r < ranks_.size; ++r) nodes_.node_of_rank.push_back(ranks_.topology.node_of(r));
     if (strategy_.uses_placements())
       if (Status s = ranks_.groups.ep->dup(ranks_.groups.ep->name() + "-gather", &ranks_.gather); !s) return s;
+    // The gradient and gather lanes wait behind compute: they sleep rather than take turns on the
+    // compute's core (docs/strategies.md, "A wait mode per lane"). The all-to-all lane keeps polling.
+    for (comm::Communicator* c : {ranks_.grad_world.get(), ranks_.grad_dp.get(), ranks_.gather.get()})
+      if (c) c->set_wait_mode(comm::WaitMode::sleep);
     strategy_.attach(*model_, nodes_, ranks_.gather.get());
   }
   // The step as data (the strategy's graph), what each op does here, and the runtime that runs it.
