@@ -119,6 +119,7 @@ TEST(SimCalibrate, TwoNodesJoinedAtTheNicsCap) {
   const std::vector<int> path = cluster.route(0, 1);
   EXPECT_DOUBLE_EQ(cluster.path_bandwidth(path), 119.6e6);
   EXPECT_NEAR(cluster.path_latency(path), cal.alpha, 1e-15);  // alpha / 2 at either end, nothing added
+  EXPECT_EQ(c.eager_bytes, 1 << 20);  // the emulated cluster's MPI sends up to 1 MiB eagerly
   // Two ranks per node: intra-node pairs keep the calibrated link.
   ASSERT_TRUE(moe::sim::two_node_cluster(cal, 2, {1e9, 5e-6}, &c));
   const moe::sim::Cluster c2(c);

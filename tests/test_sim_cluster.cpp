@@ -293,6 +293,22 @@ TEST(SimClusterJson, CpuCoresRoundTripAndStayOutOfAcceleratorClusters) {
       << faster.message();
 }
 
+// Eager sends between nodes: written only when set, read back equal, finite and >= 0.
+TEST(SimClusterJson, EagerBytesRoundTripAndAreChecked) {
+  ClusterSpec spec = preset("p3dn.24xlarge", 2);
+  EXPECT_FALSE(spec.to_json().contains("eager_bytes"));
+  spec.eager_bytes = 1 << 20;
+  ClusterSpec back;
+  ASSERT_TRUE(ClusterSpec::from_json(nlohmann::json::parse(spec.to_json().dump()), &back));
+  EXPECT_EQ(back, spec);
+  EXPECT_EQ(back.eager_bytes, 1 << 20);
+  nlohmann::json bad = spec.to_json();
+  bad["eager_bytes"] = -1;
+  const Status s = ClusterSpec::from_json(bad, &back);
+  ASSERT_FALSE(s);
+  EXPECT_NE(s.message().find("eager_bytes (-1) must be a finite number >= 0"), std::string::npos) << s.message();
+}
+
 // Per-kind speeds: written only when there are some, read back equal; a kind that is not a compute op
 // kind, or a speed that is not positive, is an error naming it.
 TEST(SimClusterJson, OpKindSpeedsRoundTripAndAreChecked) {

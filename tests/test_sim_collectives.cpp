@@ -195,6 +195,71 @@ TEST(SimCollectives, AllreduceAndAlltoallSharingANicSlowEachOtherByTheFairShare)
   EXPECT_NEAR(run(alone)[0].end, alltoall_alone, 1e-12);
 }
 
+// Eager sends (CollectiveSpec::reached, eager_bytes): an alltoallv between two nodes started when its
+// first member reached it. Members: 0 = device 0 (node 0), 1 = device 2 (node 1), 2 = device 1 (node 0),
+// S bytes each way between member 0 and each other; member 1 reaches it at S / 2B, member 2 at 2 S / B.
+TEST(SimCollectives, EagerSendsStartWithTheirSenderAndAreDoneOnItAtOnce) {
+  const double B = 1e9, S = 1e6, pcie = 1e12;
+  const Cluster cluster = two_nodes_one_nic(B);
+  auto exchange = [&](double eager_bytes) {
+    CollectiveSpec a2a = spec_of(CollectiveKind::alltoallv, {0, 2, 1}, 0);
+    a2a.peer_bytes = {0, S, S, S, 0, 0, S, 0, 0};
+    a2a.reached = {1, 0, 0};
+    a2a.eager_bytes = eager_bytes;
+    return a2a;
+  };
+  // Member ends, by member, and the bytes device 0's own link out carried.
+  auto run_exchange = [&](double eager_bytes, std::vector<double>* ends, double* dev0_out_bytes) {
+    Collectives colls(cluster);
+    const int id = colls.start(exchange(eager_bytes));
+    ends->assign(3, -1);
+    auto take = [&]() {
+      for (const MemberEnded& m : colls.take_member_ends()) (*ends)[m.member] = m.time;
+    };
+    take();
+    for (const auto& [at, member] : {std::pair{S / (2 * B), 1}, std::pair{2 * S / B, 2}}) {
+      while (colls.next_event_time() <= at) {
+        colls.advance(colls.next_event_time());
+        take();
+      }
+      colls.advance(at);
+      colls.reach(id, member);
+      take();
+    }
+    EXPECT_THROW(colls.reach(id, 2), std::logic_error);  // it has reached it already
+    const std::vector<FinishedCollective> done = run(colls);
+    take();
+    EXPECT_EQ(done.size(), 1u);
+    *dev0_out_bytes = 0;
+    for (int l = 0; l < cluster.n_links(); ++l)
+      if (cluster.link_name(l) == "n0.gpu0->n0.pcie0") *dev0_out_bytes = colls.network().link_bytes(l);
+  };
+  std::vector<double> ends;
+  double dev0_out = -1;
+  // S is eager: 0 -> 1 crosses the NIC at once (S / B) past device 0's own link, and is done on member 0
+  // at 0; 1 -> 0 starts at S / 2B. Member 1 ends when 0 -> 1 arrived (its own send was done when it
+  // started); member 0 and 2 when their exchange within node 0 ended (S / pcie after 2 S / B), after
+  // 1 -> 0 arrived at 1.5 S / B.
+  run_exchange(S, &ends, &dev0_out);
+  EXPECT_NEAR(ends[1], S / B, 1e-12);
+  EXPECT_NEAR(ends[0], 2 * S / B + S / pcie, 1e-12);
+  EXPECT_NEAR(ends[2], 2 * S / B + S / pcie, 1e-12);
+  EXPECT_NEAR(dev0_out, S, 1e-6);  // only its send within the node
+  // Below S nothing is eager: 0 -> 1 waits for member 1 and ends at 1.5 S / B with 1 -> 0.
+  run_exchange(S / 2, &ends, &dev0_out);
+  EXPECT_NEAR(ends[1], 1.5 * S / B, 1e-12);
+  EXPECT_NEAR(ends[0], 2 * S / B + S / pcie, 1e-12);
+  EXPECT_NEAR(dev0_out, 2 * S, 1e-6);
+
+  Collectives colls(cluster);
+  CollectiveSpec bad = exchange(S);
+  bad.reached = {1, 0};
+  EXPECT_THROW(colls.start(bad), std::logic_error);
+  bad = spec_of(CollectiveKind::allreduce, {0, 2}, S);
+  bad.reached = {1, 0};
+  EXPECT_THROW(colls.start(bad), std::logic_error);
+}
+
 // Aggregated flows (collectives.h) on 4 H100 HGX nodes: a skewed all-to-all (every member sends most
 // to member 0, as tokens to a hot expert) and a uniform one finish when the exact ones do, with far
 // fewer flows; an aggregated ring allreduce ends on every member at once.

@@ -113,6 +113,44 @@ TEST(SimExecutor, FifoDepsAndCollectivesWaitForTheLastMember) {
   EXPECT_NEAR(a2a_s, 1.0, 1e-9);
 }
 
+// A cluster that sends eagerly (ClusterSpec::eager_bytes): an alltoallv between nodes starts with its
+// first member. Rank 0 reaches it at 1 s, rank 1 at 3 s; 0.5 GB each way at 1 GB/s.
+TEST(SimExecutor, AnEagerAlltoallStartsWithItsFirstMember) {
+  const double B = 1e9, S = 0.5e9;
+  auto exchange = [&](double eager_bytes) {
+    ClusterSpec spec = two_nodes_one_nic(B);
+    spec.eager_bytes = eager_bytes;
+    const Cluster cluster(spec);
+    std::vector<StepGraph> g(2);
+    for (int r = 0; r < 2; ++r) {
+      g[r].add_stream("a2a", true);
+      const int c0 = compute(g[r], r == 0 ? 1e14 : 3e14);
+      std::vector<int64_t> peer(2, static_cast<int64_t>(S));
+      peer[r] = 0;
+      comm(g[r], 1, Collective::alltoallv, Group::world, 0, {c0}, static_cast<int64_t>(S), peer);
+    }
+    return run(cluster, g);
+  };
+  // Eager: rank 0's bytes leave at 1 s and have arrived at 1.5 s; rank 1's send is done when it
+  // reaches the exchange, which ends there at 3 s; rank 0's at 3.5 s, when rank 1's bytes arrived.
+  const StepResult eager = exchange(S);
+  EXPECT_NEAR(start_s(eager, 0, 1), 1.0, kNs);
+  EXPECT_NEAR(end_s(eager, 1, 1), 3.0, kNs);
+  EXPECT_NEAR(end_s(eager, 0, 1), 3.5, kNs);
+  double total = 0;
+  for (const auto& [cat, sec] : eager.critical_path_s) {
+    EXPECT_GE(sec, 0) << cat;
+    total += sec;
+  }
+  EXPECT_NEAR(total, eager.seconds(), 1e-12);
+  // Messages above the limit, or no eager sends: every byte waits for rank 1; both end at 3.5 s.
+  for (double limit : {S / 2, 0.0}) {
+    const StepResult waits = exchange(limit);
+    EXPECT_NEAR(end_s(waits, 1, 1), 3.5, kNs) << limit;
+    EXPECT_NEAR(end_s(waits, 0, 1), 3.5, kNs) << limit;
+  }
+}
+
 // CPU ranks sharing cores (ClusterSpec::cpu_cores): the compute ops running at a time split the cores
 // (processor sharing); a rank waiting in a collective takes no share.
 TEST(SimExecutor, CpuRanksShareTheCoresAmongRunningComputeOps) {

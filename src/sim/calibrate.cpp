@@ -187,6 +187,7 @@ Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSp
   c.fabric = FabricSpec{};
   // `moe cluster up` pins each emulated host to its own share of the CPUs when there is one per host.
   c.cpu_nodes_pinned = c.cpu_cores >= c.nodes;
+  c.eager_bytes = 1 << 20;  // scripts/cluster.sh: btl_tcp_eager_limit
   if (Status s = c.validate(); !s) return Status::error(str_cat("two_node_cluster: ", s.message()));
   *out = std::move(c);
   return Status::ok();

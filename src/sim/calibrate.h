@@ -143,7 +143,8 @@ ClusterSpec shared_cores_cluster(const CalibrationResult& cal, int threads_per_r
 // configured cap is its datasheet) through one non-blocking switch. A flow between the nodes crosses
 // the device link at either end (latency alpha / 2 each, as calibrated) and both NIC ports. On a
 // calibrated CPU machine of at least 2 cores each node's ranks get half of them (cpu_nodes_pinned),
-// as `moe cluster up` pins its hosts. Error:
+// as `moe cluster up` pins its hosts. Messages between the nodes of up to 1 MiB go eagerly
+// (ClusterSpec::eager_bytes), as the emulated cluster's MPI sends them (scripts/cluster.sh). Error:
 // ranks_per_node < 1, or a NIC without bandwidth.
 Status two_node_cluster(const CalibrationResult& cal, int ranks_per_node, LinkSpec nic, ClusterSpec* out);
 

@@ -361,6 +361,8 @@ Status ClusterSpec::validate() const {
   if (!std::isfinite(cpu_transfer_slowdown) || cpu_transfer_slowdown < 1)
     return cluster_error(
         str_cat("cpu_transfer_slowdown (", cpu_transfer_slowdown, ") must be a finite number >= 1"));
+  if (!std::isfinite(eager_bytes) || eager_bytes < 0)
+    return cluster_error(str_cat("eager_bytes (", eager_bytes, ") must be a finite number >= 0"));
   if (cpu_nodes_pinned && cpu_cores < nodes)
     return cluster_error(str_cat("cpu_nodes_pinned needs a core for every node: cpu_cores (", cpu_cores, ") < nodes (",
                                  nodes, ")"));
@@ -421,6 +423,7 @@ nlohmann::json ClusterSpec::to_json() const {
     j["cpu_threads_per_transfer"] = cpu_threads_per_transfer;
     j["cpu_transfer_slowdown"] = cpu_transfer_slowdown;
   }
+  if (eager_bytes > 0) j["eager_bytes"] = eager_bytes;
   return j;
 }
 
@@ -486,6 +489,7 @@ Status ClusterSpec::from_json(const nlohmann::json& j, ClusterSpec* out) {
   top.boolean("cpu_nodes_pinned", &c.cpu_nodes_pinned, /*required=*/false);
   top.number("cpu_threads_per_transfer", &c.cpu_threads_per_transfer, /*required=*/false);
   top.number("cpu_transfer_slowdown", &c.cpu_transfer_slowdown, /*required=*/false);
+  top.number("eager_bytes", &c.eager_bytes, /*required=*/false);
   top.finish();
   if (!st) return st;
   if (Status s = c.validate(); !s) return s;

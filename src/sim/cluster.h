@@ -106,6 +106,12 @@ struct ClusterSpec {
   // measures it). While compute runs in its pool such a lane moves at most the NIC's bandwidth over
   // this (executor.h). 1 unless measured. >= 1, finite.
   double cpu_transfer_slowdown = 1;
+  // Messages between nodes of at most this many bytes go eagerly, as MPI's TCP transport sends them
+  // into the receiver's socket buffers: an alltoallv's transfer between nodes then starts when its
+  // sender reaches the collective, without waiting for the receiver (executor.h). 0: every transfer
+  // waits for both its ends (NCCL's grouped send/recv; the presets). The emulated cluster sends up to
+  // 1 MiB eagerly (docs/cluster.md). >= 0, finite; JSON key present only when > 0.
+  double eager_bytes = 0;
 
   // Every figure and index, and their combinations. The message names the field as the JSON spells
   // it, e.g. "cluster: node.device_switch[3] (7) must be in [0, 4)".

@@ -151,6 +151,14 @@ void Collectives::validate(const CollectiveSpec& spec) const {
   } else if (!spec.peer_bytes.empty()) {
     fail("peer_bytes is only for alltoallv");
   }
+  if (!spec.reached.empty()) {
+    if (spec.kind != CollectiveKind::alltoallv || spec.aggregate)
+      fail("reached is only for alltoallv without aggregate");
+    if (static_cast<int>(spec.reached.size()) != p)
+      fail(str_cat("reached has ", spec.reached.size(), " entries, need ", p));
+  }
+  if (!std::isfinite(spec.eager_bytes) || spec.eager_bytes < 0)
+    fail(str_cat("eager_bytes (", spec.eager_bytes, ") must be finite and >= 0"));
   if (spec.kind == CollectiveKind::rounds) {
     std::vector<int> sends(p), recvs(p);
     for (size_t k = 0; k < spec.rounds.size(); ++k) {
@@ -367,14 +375,23 @@ int Collectives::start(const CollectiveSpec& spec) {
     r.transfers[x].carried_end = static_cast<int>(r.carried.size());
   }
   r.transfers_left = n;
+  r.reached = spec.reached.empty() ? std::vector<char>(p, 1) : spec.reached;
+  r.not_reached = static_cast<int>(std::count(r.reached.begin(), r.reached.end(), 0));
+  if (spec.eager_bytes > 0) {  // late members: their transfers wait for them (eager ones only for a late sender)
+    for (Transfer& t : r.transfers) {
+      t.eager = t.bytes <= spec.eager_bytes &&
+                cluster_.node_of(r.devices[t.src]) != cluster_.node_of(r.devices[t.dst]);
+      t.deps_left += !r.reached[t.src] + (!t.eager && !r.reached[t.dst]);
+    }
+  }
   r.end_together = spec.aggregate && n > 0 &&
                    (spec.kind == CollectiveKind::allreduce || spec.kind == CollectiveKind::allgather ||
                     spec.kind == CollectiveKind::reduce_scatter);
   for (int m = 0; m < p; ++m) {
-    if (r.member_left[m] == 0) member_ends_.push_back({id, m, now()});
+    if (r.member_left[m] == 0 && r.reached[m]) member_ends_.push_back({id, m, now()});
   }
   if (n == 0) {
-    finished_now_.push_back(id);
+    if (r.not_reached == 0) finished_now_.push_back(id);
     return id;
   }
   for (int x = 0; x < n; ++x) {
@@ -387,11 +404,23 @@ void Collectives::launch(int collective, int transfer) {
   const Running& r = running_[collective];
   const Transfer& t = r.transfers[transfer];
   cluster_.route(r.devices[t.src], r.devices[t.dst], &route_);
+  // An eager send's bytes are copied into the kernel as it starts: past the sender's own link.
+  if (t.eager) route_.erase(route_.begin());
   const double alpha = t.alpha_steps * cluster_.path_latency(route_);
   const int flow = net_.start_flow(route_, t.bytes, alpha, t.weight);
   ++transfers_started_;
   if (flow >= static_cast<int>(flow_owner_.size())) flow_owner_.resize(flow + 1, {-1, -1});
   flow_owner_[flow] = {collective, transfer};
+  if (t.eager) sent_eagerly(collective, t.src);
+}
+
+// An eager send is done on its sender when it starts (MPI completes it once the kernel has its bytes).
+void Collectives::sent_eagerly(int collective, int member) {
+  Running& r = running_[collective];
+  if (--r.member_left[member] == 0 && r.reached[member]) {
+    r.member_end[member] = now();
+    member_ends_.push_back({collective, member, now()});
+  }
 }
 
 double Collectives::next_event_time() {
@@ -419,25 +448,46 @@ std::vector<FinishedCollective> Collectives::advance(double t) {
     const Transfer& tr = r.transfers[x];
     --r.transfers_left;
     auto member_done = [&](int m) {
-      if (--r.member_left[m] == 0 && !r.end_together) {
+      if (--r.member_left[m] == 0 && !r.end_together && r.reached[m]) {
         r.member_end[m] = t;
         member_ends_.push_back({c, m, t});
       }
     };
-    member_done(tr.src);
+    if (!tr.eager) member_done(tr.src);  // else done when it started (sent_eagerly)
     member_done(tr.dst);
     for (int k = tr.carried_begin; k < tr.carried_end; ++k) member_done(r.carried[k]);
     for (int s = tr.succ_begin; s < tr.succ_end; ++s) {
       const int next = r.successors[s];
       if (--r.transfers[next].deps_left == 0) launch(c, next);
     }
-    if (r.transfers_left == 0) done.push_back(c);
+    if (r.transfers_left == 0 && r.not_reached == 0) done.push_back(c);
   }
   std::sort(done.begin(), done.end());
   std::vector<FinishedCollective> finished;
   finished.reserve(done.size());
   for (int c : done) finished.push_back(finish(c));
   return finished;
+}
+
+void Collectives::reach(int collective, int member) {
+  if (collective < 0 || collective >= static_cast<int>(running_.size()) || running_[collective].devices.empty())
+    throw std::logic_error(str_cat("sim::Collectives::reach: collective ", collective, " is not running"));
+  Running& r = running_[collective];
+  if (member < 0 || member >= static_cast<int>(r.reached.size()) || r.reached[member])
+    throw std::logic_error(str_cat("sim::Collectives::reach: member ", member, " is not one that has yet to reach it"));
+  r.reached[member] = 1;
+  --r.not_reached;
+  const bool nothing_left = r.member_left[member] == 0;  // else its last transfer's end (or eager start) ends it
+  for (int x = 0; x < static_cast<int>(r.transfers.size()); ++x) {
+    Transfer& t = r.transfers[x];
+    const int gates = (t.src == member) + (!t.eager && t.dst == member);
+    if (gates > 0 && (t.deps_left -= gates) == 0) launch(collective, x);
+  }
+  if (nothing_left) {
+    r.member_end[member] = now();
+    member_ends_.push_back({collective, member, now()});
+  }
+  if (r.not_reached == 0 && r.transfers_left == 0) finished_now_.push_back(collective);
 }
 
 std::vector<MemberEnded> Collectives::take_member_ends() {

@@ -96,6 +96,16 @@ struct CollectiveSpec {
   int root = 0;               // broadcast, reduce: the root's member index
   bool hierarchical = false;  // allreduce only: the hierarchical algorithm
   bool aggregate = false;     // aggregated flows (see above)
+  // Late members (alltoallv without aggregate only): reached[i] says whether member i has reached the
+  // collective at start(); the others reach it by Collectives::reach(). Empty: every member has.
+  // Eager sends (ClusterSpec::eager_bytes): a transfer between nodes of at most eager_bytes starts
+  // once its sender reached, leaves the sender's own link out of its path (its bytes are copied into
+  // the kernel at once) and counts as done on the sender when it starts (MPI completes an eager send
+  // then), on the receiver when its bytes arrived. Every other transfer starts once both its ends
+  // reached. A member's part ends when it reached and its transfers are done, and the collective
+  // when every transfer ended and every member reached it.
+  std::vector<char> reached;
+  double eager_bytes = 0;
 };
 
 // A member whose part of a collective ended (its last transfer sent or received), at `time`.
@@ -125,6 +135,10 @@ class Collectives {
   // member and round; root a member
   // index for broadcast and reduce; hierarchical only for allreduce, with equal members per node.
   int start(const CollectiveSpec& spec);
+  // Member `member` of running collective `collective` reaches it at now() (CollectiveSpec::reached):
+  // its transfers that waited for it start. REQUIRES (std::logic_error): the collective is running and
+  // the member had not reached it.
+  void reach(int collective, int member);
   // The next time a transfer starts or ends, or a collective finishes; +inf when idle.
   double next_event_time();
   // Moves the clock to t; returns the collectives that finished at t, by ascending id.
@@ -147,6 +161,7 @@ class Collectives {
     double bytes = 0;
     double alpha_steps = 1;  // the path's alpha is paid this many times (aggregated ring phases)
     double weight = 1;       // max-min shares (aggregated all-to-all flows: one per sender)
+    bool eager = false;      // starts once its sender reached (CollectiveSpec::reached)
     int deps_left = 0;
     int succ_begin = 0, succ_end = 0;  // its successors: successors[succ_begin, succ_end)
     int carried_begin = 0, carried_end = 0;  // members whose bytes it carries: carried[begin, end)
@@ -161,10 +176,13 @@ class Collectives {
     std::vector<int> member_left;  // transfers touching each member that have not ended
     std::vector<double> member_end;
     bool end_together = false;     // every member ends when the last transfer does (aggregated rings)
+    std::vector<char> reached;     // by member (CollectiveSpec::reached)
+    int not_reached = 0;
   };
 
   void validate(const CollectiveSpec& spec) const;
   void launch(int collective, int transfer);
+  void sent_eagerly(int collective, int member);
   FinishedCollective finish(int collective);
 
   const Cluster& cluster_;

@@ -193,6 +193,7 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     inst_base[i + 1] = inst_base[i] + (graph::is_communication(g0.ops[i].kind) ? n_groups(g0.ops[i].group) : 0);
   std::vector<int> arrived(inst_base[n_ops], 0), last_arrival(inst_base[n_ops], -1);
   std::vector<std::pair<int, int>> coll_inst;  // by collective id: (op, group index)
+  std::vector<int> inst_coll(inst_base[n_ops], -1);  // by instance: its collective id once started
 
   const double t0 = colls_.now();
   const int64_t flows0 = colls_.transfers_started();
@@ -349,11 +350,29 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     }
   };
   Status error = Status::ok();
-  auto start_collective = [&](int op, int gi) {
+  // An alltoallv between nodes of a cluster that sends eagerly starts when its first member reaches
+  // it (ClusterSpec::eager_bytes): the others reach it later (Collectives::reach).
+  auto eager_alltoallv = [&](int op, int gi) {
+    const graph::Op& o = g0.ops[op];
+    if (cluster_.spec().eager_bytes <= 0 || cfg_.aggregate_flows || schedule_of(op) ||
+        kind_of(o.collective) != CollectiveKind::alltoallv)
+      return false;
+    const std::vector<int> mem = members(o.group, gi);
+    for (int r : mem)
+      if (cluster_.node_of(cfg_.device_of_rank[r]) != cluster_.node_of(cfg_.device_of_rank[mem[0]])) return true;
+    return false;
+  };
+  // `first`: the member that reached it, when it starts before the others (eager_alltoallv); -1: all have.
+  auto start_collective = [&](int op, int gi, int first) {
     const graph::Op& o = g0.ops[op];
     const std::vector<int> mem = members(o.group, gi);
     const int p = static_cast<int>(mem.size());
     CollectiveSpec spec;
+    if (first >= 0) {
+      spec.reached.assign(p, 0);
+      spec.reached[std::find(mem.begin(), mem.end(), first) - mem.begin()] = 1;
+      spec.eager_bytes = cluster_.spec().eager_bytes;
+    }
     spec.kind = kind_of(o.collective);
     spec.aggregate = cfg_.aggregate_flows;
     for (int r : mem) spec.devices.push_back(cfg_.device_of_rank[r]);
@@ -416,11 +435,26 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
         k = c;
       }
     }
-    if (cpu_cores > 0 && spans_nodes)  // across hosts, every member's lane now moves data until its part ends
+    // Across hosts, every member's lane now moves data until its part ends; an eager alltoallv's lanes
+    // from when the last member reaches it (reach_collective).
+    if (cpu_cores > 0 && spans_nodes && first < 0)
       for (int r : mem) op_across[at(r, op)] = 1, ++across[r];
     const int id = colls_.start(spec);
     if (id >= static_cast<int>(coll_inst.size())) coll_inst.resize(id + 1, {-1, -1});
     coll_inst[id] = {op, gi};
+    inst_coll[inst_base[op] + gi] = id;
+    take_member_ends();
+  };
+  // Member r reaches an eager alltoallv started before it. The kernel's transfer work is charged to
+  // the lanes of the members still in it from when the last member reached it (executor.h): a lane
+  // that waits for late peers moves nothing, and charging it from its arrival was measured to
+  // over-predict (docs/sim.md, "Eager sends").
+  auto reach_collective = [&](int op, int gi, int r) {
+    const std::vector<int> mem = members(g0.ops[op].group, gi);
+    colls_.reach(inst_coll[inst_base[op] + gi], static_cast<int>(std::find(mem.begin(), mem.end(), r) - mem.begin()));
+    if (cpu_cores > 0 && arrived[inst_base[op] + gi] == static_cast<int>(mem.size()))
+      for (int q : mem)
+        if (state[at(q, op)] == graph::OpState::running) op_across[at(q, op)] = 1, ++across[q];
     take_member_ends();
   };
   auto start_op = [&](int r, int op) {
@@ -446,7 +480,12 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     ++arrived[k];
     last_arrival[k] = r;
     const int p = o.group == Group::ep ? cfg_.ep_size : o.group == Group::dp ? R / cfg_.ep_size : R;
-    if (arrived[k] == p) start_collective(op, gi);
+    if (eager_alltoallv(op, gi)) {
+      if (arrived[k] == 1) start_collective(op, gi, r);
+      else reach_collective(op, gi, r);
+    } else if (arrived[k] == p) {
+      start_collective(op, gi, -1);
+    }
   };
 
   while (true) {
@@ -542,6 +581,12 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
     };
     for (int d : o.deps) consider(d);
     consider(stream_pred[cop]);
+    if (pr >= 0 && t_end[at(pr, pop)] > t_end[at(cr, cop)]) {  // an eager alltoallv ended here before the last arrived
+      from = cr;
+      pr = pop = -1;
+      for (int d : o.deps) consider(d);
+      consider(stream_pred[cop]);
+    }
     const double before = pr >= 0 ? t_end[at(pr, pop)] : t0;
     const double c = t_end[at(cr, cop)] - before;
     const std::string cat = path_category(o.kind);

@@ -37,7 +37,13 @@
 //     a blocking call is. Its flows start when every member of its group has reached it (the group:
 //     world, ep = consecutive world ranks [g*G, (g+1)*G), dp = the ranks with the same rank % G, as
 //     comm::Groups defines them), and it ends on member i when member i's part ended
-//     (Collectives::take_member_ends).
+//     (Collectives::take_member_ends). Except on a cluster that sends eagerly
+//     (ClusterSpec::eager_bytes > 0): an alltoallv (not a sparse schedule, not aggregated) between
+//     nodes starts when its first member reaches it, and each member's eager sends start when it
+//     reaches it and are done on it at once (collectives.h, CollectiveSpec::reached), as MPI's eager
+//     protocol hands them to the kernel; on a CPU cluster its members' lanes count as moving data
+//     between hosts from when the last member reached it (a lane waiting for late peers moves
+//     nothing; docs/sim.md, "Eager sends").
 // What the collective moves, from the members' Op::cost (bytes this rank sends):
 //   alltoallv, sendrecv: the p x p matrix of the members' peer_bytes (group rank order); a member with
 //     no peer_bytes spreads cost.bytes evenly over the other members.
