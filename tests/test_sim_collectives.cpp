@@ -245,11 +245,13 @@ TEST(SimCollectives, EagerSendsStartWithTheirSenderAndAreDoneOnItAtOnce) {
   EXPECT_NEAR(ends[0], 2 * S / B + S / pcie, 1e-12);
   EXPECT_NEAR(ends[2], 2 * S / B + S / pcie, 1e-12);
   EXPECT_NEAR(dev0_out, S, 1e-6);  // only its send within the node
-  // Below S nothing is eager: 0 -> 1 waits for member 1 and ends at 1.5 S / B with 1 -> 0.
-  run_exchange(S / 2, &ends, &dev0_out);
-  EXPECT_NEAR(ends[1], 1.5 * S / B, 1e-12);
-  EXPECT_NEAR(ends[0], 2 * S / B + S / pcie, 1e-12);
-  EXPECT_NEAR(dev0_out, 2 * S, 1e-6);
+  // A limit below S, or none: nothing is eager; 0 -> 1 waits for member 1 and ends at 1.5 S / B with 1 -> 0.
+  for (double limit : {S / 2, 0.0}) {
+    run_exchange(limit, &ends, &dev0_out);
+    EXPECT_NEAR(ends[1], 1.5 * S / B, 1e-12) << limit;
+    EXPECT_NEAR(ends[0], 2 * S / B + S / pcie, 1e-12) << limit;
+    EXPECT_NEAR(dev0_out, 2 * S, 1e-6) << limit;
+  }
 
   Collectives colls(cluster);
   CollectiveSpec bad = exchange(S);

@@ -377,9 +377,9 @@ int Collectives::start(const CollectiveSpec& spec) {
   r.transfers_left = n;
   r.reached = spec.reached.empty() ? std::vector<char>(p, 1) : spec.reached;
   r.not_reached = static_cast<int>(std::count(r.reached.begin(), r.reached.end(), 0));
-  if (spec.eager_bytes > 0) {  // late members: their transfers wait for them (eager ones only for a late sender)
+  if (spec.eager_bytes > 0 || r.not_reached > 0) {  // late members' transfers wait (eager: a late sender's)
     for (Transfer& t : r.transfers) {
-      t.eager = t.bytes <= spec.eager_bytes &&
+      t.eager = t.bytes <= spec.eager_bytes && spec.eager_bytes > 0 &&
                 cluster_.node_of(r.devices[t.src]) != cluster_.node_of(r.devices[t.dst]);
       t.deps_left += !r.reached[t.src] + (!t.eager && !r.reached[t.dst]);
     }
@@ -411,15 +411,15 @@ void Collectives::launch(int collective, int transfer) {
   ++transfers_started_;
   if (flow >= static_cast<int>(flow_owner_.size())) flow_owner_.resize(flow + 1, {-1, -1});
   flow_owner_[flow] = {collective, transfer};
-  if (t.eager) sent_eagerly(collective, t.src);
+  // An eager send is done on its sender when it starts (MPI completes it once the kernel has its bytes).
+  if (t.eager) transfer_done_on(collective, t.src, now());
 }
 
-// An eager send is done on its sender when it starts (MPI completes it once the kernel has its bytes).
-void Collectives::sent_eagerly(int collective, int member) {
+void Collectives::transfer_done_on(int collective, int member, double t) {
   Running& r = running_[collective];
-  if (--r.member_left[member] == 0 && r.reached[member]) {
-    r.member_end[member] = now();
-    member_ends_.push_back({collective, member, now()});
+  if (--r.member_left[member] == 0 && !r.end_together && r.reached[member]) {
+    r.member_end[member] = t;
+    member_ends_.push_back({collective, member, t});
   }
 }
 
@@ -447,15 +447,9 @@ std::vector<FinishedCollective> Collectives::advance(double t) {
     Running& r = running_[c];
     const Transfer& tr = r.transfers[x];
     --r.transfers_left;
-    auto member_done = [&](int m) {
-      if (--r.member_left[m] == 0 && !r.end_together && r.reached[m]) {
-        r.member_end[m] = t;
-        member_ends_.push_back({c, m, t});
-      }
-    };
-    if (!tr.eager) member_done(tr.src);  // else done when it started (sent_eagerly)
-    member_done(tr.dst);
-    for (int k = tr.carried_begin; k < tr.carried_end; ++k) member_done(r.carried[k]);
+    if (!tr.eager) transfer_done_on(c, tr.src, t);  // else done when it started (launch)
+    transfer_done_on(c, tr.dst, t);
+    for (int k = tr.carried_begin; k < tr.carried_end; ++k) transfer_done_on(c, r.carried[k], t);
     for (int s = tr.succ_begin; s < tr.succ_end; ++s) {
       const int next = r.successors[s];
       if (--r.transfers[next].deps_left == 0) launch(c, next);

@@ -182,7 +182,8 @@ class Collectives {
 
   void validate(const CollectiveSpec& spec) const;
   void launch(int collective, int transfer);
-  void sent_eagerly(int collective, int member);
+  // One of the member's transfers is done at t: its part ends with the last, once it reached the collective.
+  void transfer_done_on(int collective, int member, double t);
   FinishedCollective finish(int collective);
 
   const Cluster& cluster_;

@@ -573,20 +573,18 @@ Status StepExecutor::run_step(const std::vector<graph::StepGraph>& graphs, StepR
   std::vector<PathOp> path;
   while (cr >= 0) {
     const graph::Op& o = g0.ops[cop];
-    int from = cr;  // the rank whose predecessors held this op up
-    if (graph::is_communication(o.kind)) from = last_arrival[inst_base[cop] + group_index(o.group, cr)];
+    int from = cr;  // the rank whose predecessors held this op up: for a collective, the member that
+                    // reached it last, unless this member's part ended before (an eager alltoallv's may)
+    if (graph::is_communication(o.kind)) {
+      const int last = last_arrival[inst_base[cop] + group_index(o.group, cr)];
+      if (t_start[at(last, cop)] <= t_end[at(cr, cop)]) from = last;
+    }
     int pr = -1, pop = -1;
     auto consider = [&](int op) {
       if (op >= 0 && (pr < 0 || t_end[at(from, op)] > t_end[at(pr, pop)])) pr = from, pop = op;
     };
     for (int d : o.deps) consider(d);
     consider(stream_pred[cop]);
-    if (pr >= 0 && t_end[at(pr, pop)] > t_end[at(cr, cop)]) {  // an eager alltoallv ended here before the last arrived
-      from = cr;
-      pr = pop = -1;
-      for (int d : o.deps) consider(d);
-      consider(stream_pred[cop]);
-    }
     const double before = pr >= 0 ? t_end[at(pr, pop)] : t0;
     const double c = t_end[at(cr, cop)] - before;
     const std::string cat = path_category(o.kind);
