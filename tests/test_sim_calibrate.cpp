@@ -182,7 +182,9 @@ class SyntheticRun : public ::testing::Test {
   // one_core: the two ranks' compute threads shared one core, so ops that ran at once took longer
   // than alone (processor sharing: both at half speed until the shorter ended).
   // attn_speed: attention ops (attn_fwd, attn_bwd) run at that factor of kRate.
-  void write_run(bool one_core = false, double attn_speed = 1) {
+  // stalled_tail: the last step's trailing allreduces run with no compute beside them, stalled 35 ms
+  // (their names' one instance free of compute).
+  void write_run(bool one_core = false, double attn_speed = 1, bool stalled_tail = false) {
     const int P = 2, steps = 3;
     const int64_t batch = 4, N = batch / P * model_.seq_len;
     moe::graph::EpStepOptions opt;
@@ -250,6 +252,12 @@ class SyntheticRun : public ::testing::Test {
         t0 += 2e-3;
       }
     }
+    if (stalled_tail) {
+      ASSERT_FALSE(pending_.empty());
+      for (auto& [ar_name, ar_bytes] : pending_)
+        for (int r = 0; r < P; ++r)
+          events.push_back(event(r, 2, steps + 0.9, 35e-3, ar_name, "communication", "grad_allreduce", steps, ar_bytes));
+    }
     std::ofstream(dir_ / "trace.json") << nlohmann::json{{"traceEvents", events}}.dump();
   }
 
@@ -293,6 +301,18 @@ TEST_F(SyntheticRun, RecoversTheFiguresAndLeavesOutContendedCollectives) {
   EXPECT_NEAR(cal.cluster.node.device_pcie.latency, kAlpha / 2, 1e-12);
   EXPECT_TRUE(cal.cluster.validate());
   EXPECT_NE(moe::sim::describe(cal).find("left out: overlapped compute"), std::string::npos);
+}
+
+// A name free of compute in only one step enters no fit: here that instance stalled 35 ms (as a
+// transfer between two local ranks once did), which as a point of its own skewed the whole line.
+TEST_F(SyntheticRun, AStalledTransferFreeOfComputeOnceDoesNotSkewTheLink) {
+  write_run(/*one_core=*/false, /*attn_speed=*/1, /*stalled_tail=*/true);
+  CalibrationResult cal;
+  const moe::Status s = moe::sim::calibrate(dir_.string(), model_, &cal);
+  ASSERT_TRUE(s) << s.message();
+  EXPECT_EQ(cal.comm_contended, allreduce_names_);
+  EXPECT_NEAR(cal.alpha, kAlpha, 1e-9);
+  EXPECT_NEAR(cal.bandwidth, kLinkBw, 1e-3 * kLinkBw);
 }
 
 // Attention at a quarter of the other kinds' rate: each kind gets its own speed and the op times come

@@ -465,9 +465,15 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
       kind = in.kind;
     }
   }
-  auto points = [&](const auto& by_name, std::vector<double>* u, std::vector<double>* v, std::vector<double>* y) {
+  // A name's median needs a few instances: a name whose lanes are busy beside compute in all but one
+  // step (a step's last gradient bucket, say) would otherwise enter the fit with that one instance,
+  // and one stalled transfer (35 ms against 0.3, seen) turned a whole fit into alpha 3 ms and no slope.
+  constexpr size_t kMinCleanInstances = 3;
+  auto points = [&](const auto& by_name, size_t min_instances, std::vector<double>* u, std::vector<double>* v,
+                    std::vector<double>* y) {
     for (auto& [name, c] : by_name) {
       const auto& [ts, bs, kind] = c;
+      if (ts.size() < min_instances) continue;
       const double t = upper_median(ts), bytes = upper_median(bs);
       if (kind == "grad_allreduce") {
         u->push_back(2.0 * (P - 1));
@@ -483,17 +489,18 @@ Status calibrate(const std::vector<std::string>& run_paths, const ModelConfig& m
     }
   };
   std::vector<double> u, v, y;
-  points(clean, &u, &v, &y);
+  points(clean, kMinCleanInstances, &u, &v, &y);
   double alpha = 0, inv_bw = 0;
   if (y.size() < 3 || !solve2(u, v, y, &alpha, &inv_bw)) {
-    res.notes.push_back(str_cat("only ", y.size(), " collective(s) ran with every member's cores free of compute: fitted on all"));
+    res.notes.push_back(str_cat("only ", y.size(), " collective(s) ran with every member's cores free of compute in ",
+                                kMinCleanInstances, " or more steps: fitted on all"));
     u.clear(), v.clear(), y.clear();
-    points(all, &u, &v, &y);
+    points(all, 1, &u, &v, &y);
     if (y.size() < 2 || !solve2(u, v, y, &alpha, &inv_bw))
       return Status::error(str_cat("calibrate: ", trace_path, " has too few all-to-all / allreduce ops to fit"));
   }
   res.comm_points = static_cast<int>(y.size());
-  res.comm_contended = static_cast<int>(all.size()) - static_cast<int>(clean.size());
+  res.comm_contended = static_cast<int>(all.size()) - res.comm_points;
   double ss = 0;
   for (size_t i = 0; i < y.size(); ++i) ss += std::pow(y[i] - alpha * u[i] - inv_bw * v[i], 2);
   res.comm_rms = std::sqrt(ss / y.size());

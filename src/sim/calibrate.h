@@ -84,7 +84,7 @@ struct CalibrationResult {
   double alpha = 0, bandwidth = 0;  // s, bytes/s
   double comm_rms = 0;
   int comm_points = 0;     // op names in the collective fit
-  int comm_contended = 0;  // op names left out of it (every instance overlapped a member's compute)
+  int comm_contended = 0;  // op names left out of it (under 3 instances free of a member's compute)
   double cores_share = 1;  // cpu_share of the calibration run's ranks on its machine's cores (1: no CPU machine)
   std::vector<std::string> notes;  // clamps and approximations applied
 };
