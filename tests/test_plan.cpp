@@ -560,34 +560,6 @@ TEST(Hecate, CalibrationWidensAlgOneWhileTheGatherPays) {
   expect_same(c.placement, in_force);
 }
 
-// Where sending costs the sender (CPU ranks), a replica to a rank that receives less than the busiest
-// receiver is not free. Two hosts of one rank, experts 0-1 on rank 0, 2-3 on rank 1; each source
-// routes 100 tokens to experts 0 and 1 and 6 to expert 2. t' = 2 copies experts 0 and 1 to rank 1:
-// busiest 400 -> 212, rows crossing 200 -> 6 (0.382 s saved), rank 0 sends 2 and rank 1 receives 2.
-// t' = 3 adds expert 2 on rank 0: busiest 206, nothing crosses (0.394 s saved); rank 1 still receives
-// 2, so counting receivers only it costs as much as t' = 2 and wins; with its sends rank 0 moves 3
-// (2 out, 1 in), one expert's 2 transfers (0.02 s) more for 0.012 s: t' = 2 wins.
-TEST(Hecate, AReplicaCostsItsSenderWhereSendersPay) {
-  const LayerPlacement in_force = even_placement(4, 2);
-  const Counts counts(2, std::vector<int64_t>{100, 100, 6, 0});
-  const Nodes nodes = uniform_nodes(2, 1);
-  CalibrationModel model{1e-3, 1e5, 1000, 2, 1e-3};
-  Calibration c = calibrate(in_force, counts, 1, 2, nodes, model);
-  ASSERT_TRUE(c.gather);
-  EXPECT_EQ(c.placement.replicas[2], (std::vector<int>{0, 1}));
-  EXPECT_EQ(c.gather_bytes, 2000);
-  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.394);
-  model.senders_pay = true;
-  c = calibrate(in_force, counts, 1, 2, nodes, model);
-  ASSERT_TRUE(c.gather);
-  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1}));
-  EXPECT_EQ(c.placement.replicas[1], (std::vector<int>{0, 1}));
-  EXPECT_EQ(c.placement.replicas[2], (std::vector<int>{1}));
-  EXPECT_EQ(c.gather_bytes, 2000);
-  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.382);
-  EXPECT_DOUBLE_EQ(c.gather_seconds, 0.04);
-}
-
 // Before the gate on CPU ranks Hecate takes Alg. 1 with the cheapest t' <= t. Two hosts of one rank,
 // experts 0-1 on rank 0, 2-3 on rank 1, loads {300, 60, 20, 20} from both sources alike: rank 0
 // computes 360. t = 2 copies experts 0 and 1 to rank 1, which then computes its own 180 and all 40 of

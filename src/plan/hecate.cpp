@@ -94,14 +94,11 @@ Calibration price_against(const LayerPlacement& in_force, RankLoad before, const
   c.busiest_before = before.busiest, c.remote_before = before.remote;
   const RankLoad after = rank_load(calibrated, nodes, counts);
   c.busiest_after = after.busiest, c.remote_after = after.remote;
-  std::vector<int64_t> moved(in_force.n_ranks, 0);  // replicas each rank receives (and sends: senders_pay)
+  std::vector<int64_t> gained(in_force.n_ranks, 0);
   for (int e = 0; e < in_force.n_experts(); ++e)
     for (int r : calibrated.replicas[e])
-      if (!in_force.holds(r, e)) {
-        ++moved[r];
-        if (model.senders_pay) ++moved[in_force.owner[e]];
-      }
-  c.gather_bytes = *std::max_element(moved.begin(), moved.end()) * model.expert_bytes;
+      if (!in_force.holds(r, e)) ++gained[r];
+  c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
   c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
                     static_cast<double>(c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
   c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;

@@ -76,13 +76,6 @@ struct CalibrationModel {
   // span (4 exchanges: dispatch and combine, forward and backward); 0 leaves the all-to-alls out of
   // the price.
   double exchange_seconds_per_token = 0;
-  // Whether sending a replica costs its sender as receiving it costs the receiver (CPU ranks: the
-  // copies through the kernel take cores at both ends). Then a rank's share of the gather is the
-  // replicas it receives plus those it sends as their owner (a sparse broadcast tree forwards some of
-  // them from other holders: an upper bound on the owner); else the replicas it receives. Without it
-  // a replica to a rank that receives fewer than the busiest receiver looked free (on 2 ranks: a
-  // third copy for 27 tokens of a cold expert, sent by the rank already sending two).
-  bool senders_pay = false;
 };
 
 // Whether the calibration's extra SparseAllGather pays, and the placement to dispatch over.
@@ -93,7 +86,7 @@ struct Calibration {
   int64_t busiest_after = 0;   // ... under the calibrated placement (computed in both cases)
   int64_t remote_before = 0;   // rows the rank receiving the most over the slowest link receives, in force
   int64_t remote_after = 0;    // ... calibrated
-  int64_t gather_bytes = 0;    // bytes the busiest rank moves in the extra gather (received; + sent: senders_pay)
+  int64_t gather_bytes = 0;    // bytes received by the rank receiving the most in the extra gather
   double saved_seconds = 0;    // (busiest_before - busiest_after) * expert_seconds_per_token
                                //   + (remote_before - remote_after) * exchange_seconds_per_token
   double gather_seconds = 0;   // transfers_per_replica * gather_bytes / bandwidth

@@ -81,16 +81,15 @@ class Hecate : public Strategy {
 
  private:
   // The price of a gather (before the gate and at calibration alike). On CPU ranks every transfer of
-  // a replica takes the compute's cores, the sender's as the receiver's: the gather, the gradient's
-  // reduce-scatter and, with rematerialization, the backward's second gather. A token a replica keeps home saves its expert
+  // a replica takes the compute's cores: the gather, the gradient's reduce-scatter and, with
+  // rematerialization, the backward's second gather. A token a replica keeps home saves its expert
   // time on the busiest rank and, where it would have crossed between hosts (ranks, on one host), its
   // row's 4 exchanges at the network's rate.
   plan::CalibrationModel calibration_model() const {
     const int transfers = s_.cost.transfers_take_compute ? replica_transfers_per_step(s_.options.rematerialize) : 1;
     const double exchange =
         s_.cost.network_bandwidth > 0 ? row_exchange_bytes(s_.model) / s_.cost.network_bandwidth : 0;
-    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers, exchange,
-            /*senders_pay=*/s_.cost.transfers_take_compute};
+    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers, exchange};
   }
 
   Setup s_;
