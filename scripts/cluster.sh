@@ -154,6 +154,23 @@ assign_cpus() {
 }
 host_cpus() { state_all cpuset | sed -n "s/^$1://p" | tail -n 1; }
 
+# TCP segments a host's kernel sent since `up`, how many it retransmitted, and how many of those the
+# peer reported as received twice (D-SACK: the first copy had arrived, the retransmission was
+# spurious). The counters are the namespace's own (/proc/net/snmp, /proc/net/netstat).
+tcp_summary() {
+  ip netns exec "$1" awk '
+    /^Tcp:/    { if (!tcp_head) { for (i = 2; i <= NF; ++i) t[$i] = i; tcp_head = 1 }
+                 else { sent = $t["OutSegs"]; again = $t["RetransSegs"] } }
+    /^TcpExt:/ { if (!ext_head) { for (i = 2; i <= NF; ++i) x[$i] = i; ext_head = 1 }
+                 else if ("TCPDSACKRecvSegs" in x) twice = $x["TCPDSACKRecvSegs"] }
+    END {
+      if (sent == "") exit 1
+      printf "tcp since up: %d segments sent, %d retransmitted (%.2f%%)", sent, again, (sent > 0 ? 100 * again / sent : 0)
+      if (twice != "") printf ", %d of them received twice (spurious)", twice
+      printf "\n"
+    }' /proc/net/snmp /proc/net/netstat
+}
+
 # ---- tc ----
 # htb: one class at the rate on the device's egress. burst/cburst of ~1 ms at the rate (at least
 # 32 KiB) so the token bucket keeps up when the qdisc watchdog fires late on a busy VM; quantum set
@@ -319,6 +336,7 @@ do_status() {
       link=$(ip -n "$head_ns" -o link show "v$i" 2>/dev/null | grep -q 'state UP' && echo up || echo "DOWN (cut)")
       cap=$(ip netns exec "$ns" tc class show dev eth0 2>/dev/null | sed -n 's/.* rate \([^ ]*\) .*/\1/p' | head -1)
       echo "  $ns: eth0 $subnet.$((i + 1)), link $link, cap ${cap:-none} each way, CPUs $(host_cpus "$ns" | grep . || echo "all (shared)")"
+      echo "    $(tcp_summary "$ns" || echo "tcp: counters unreadable")"
     fi
     procs=$(ip netns pids "$ns" 2>/dev/null | xargs -r ps -o pid=,comm= -p 2>/dev/null | awk '{printf "%s%s(%s)", sep, $2, $1; sep=" "}')
     echo "    running: ${procs:-nothing}"

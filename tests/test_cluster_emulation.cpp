@@ -242,6 +242,19 @@ TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
   std::printf("  alltoallv, %s MiB each way at 200 Mbit/s: %.3f s measured, %.3f s predicted, ratio %.3f\n",
               m[1].str().c_str(), measured, predicted, measured / predicted);
   EXPECT_GT(measured / predicted, 0.85) << r.output;
+  // status counts each host's TCP segments since up: at least one pass of the exchange's bytes, in
+  // segments of at most 1,448 bytes (MTU 1500 less the IP and TCP headers with timestamps).
+  ShellResult status = run_shell(cl("status"));
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  const double min_segments = std::stod(m[1]) * 1048576.0 / 1448.0;
+  for (const char* host : {"-n0", "-n1"}) {
+    std::smatch t;
+    const std::regex line(cluster_name() + host +
+                          R"(: [^\n]*\n +tcp since up: ([0-9]+) segments sent, ([0-9]+) retransmitted)");
+    ASSERT_TRUE(std::regex_search(status.output, t, line)) << status.output;
+    EXPECT_GE(std::stod(t[1]), min_segments) << status.output;
+    EXPECT_LE(std::stod(t[2]), std::stod(t[1])) << status.output;
+  }
   // Under ThreadSanitizer every copy Open MPI makes goes through TSan's memcpy, so the time also
   // measures TSan (1.152 seen on a loaded 2-core machine): only "not faster than the cap" holds.
 #if !defined(__SANITIZE_THREAD__)
