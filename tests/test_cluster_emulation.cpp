@@ -193,6 +193,16 @@ TEST_F(ClusterEmulation, TrainingOnTwoHostsEqualsOneProcess) {
   EXPECT_LT(worst, 2e-4);
 }
 
+// Every host ACKs at once on the fabric (its route to the subnet has quickack): at 10 Gbit/s delayed
+// ACKs stalled transfers up to 40 ms (docs/cluster.md, "TCP between the hosts").
+TEST_F(ClusterEmulation, HostsAckAtOnce) {
+  for (const char* host : {"-n0", "-n1"}) {
+    ShellResult route = run_shell("ip -n " + cluster_name() + host + " route show dev eth0");
+    ASSERT_EQ(route.exit_code, 0) << route.output;
+    EXPECT_NE(route.output.find("quickack 1"), std::string::npos) << host << ": " << route.output;
+  }
+}
+
 // Each emulated host has its own CPUs when the machine has enough (one per host at least), as a real
 // host has: status lists them, and moe train without --threads sizes its threads from them, where it
 // once ran every host's ranks with the whole machine's cores.
