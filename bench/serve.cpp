@@ -235,7 +235,9 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
     closed_rate = closed.size() / std::chrono::duration<double>(Clock::now() - t0).count();
   }
 
-  // Open loop, every schedule on the same Poisson trace at that rate, rounds interleaved.
+  // Open loop, every schedule on the same Poisson trace at that rate, rounds interleaved. Each round
+  // starts one schedule further on, so no schedule always follows the same one (ideal saturates and
+  // its server's teardown lands on whatever runs next).
   const double rate = fixed_rate > 0 ? fixed_rate : 0.7 * closed_rate;
   struct Result {
     std::vector<double> latency, first_token;  // every round's requests
@@ -248,7 +250,8 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
   };
   std::vector<Result> results(schedules.size());
   for (int round = 0; round < opt.repeats; ++round)
-    for (size_t k = 0; k < schedules.size(); ++k) {
+    for (size_t j = 0; j < schedules.size(); ++j) {
+      const size_t k = (j + static_cast<size_t>(round)) % schedules.size();
       std::fprintf(stderr, "bench serve: %s, round %d, %s\n", w.name.c_str(), round + 1, schedules[k].c_str());
       const std::string server_log = log + "." + std::to_string(round) + "." + schedules[k];
       BackgroundProcess server = start_server(at, checkpoint, schedules[k], w, server_log);
@@ -409,7 +412,8 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
               "re-planned: those with a phase-2 re-plan; replicas: extra expert copies per MoE layer forward; cached: "
               "replicas held but unused by the plan (the replica cache, --replica-cache) per MoE layer forward; "
               "gathered: expert weights rank 0 sent and received for them (the schedule's /metrics)");
-  report.note("p95 / ep rounds: each round's p95 over ep's in the same round (rounds interleave the schedules); rounds "
+  report.note("p95 / ep rounds: each round's p95 over ep's in the same round (rounds interleave the schedules, each "
+              "round starting one schedule further on); rounds "
               "below ep: how many of them are under 1 (all n of n by chance alone: p = 2^-n); imbalance: the busiest "
               "rank's expert rows over the ranks' mean, summed over MoE layer forwards (what a replica evens out)");
   report.note("where the time went: rank 0's wall time in model forwards (one per serving step) split into its "
