@@ -252,6 +252,11 @@ TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
   std::printf("  alltoallv, %s MiB each way at 200 Mbit/s: %.3f s measured, %.3f s predicted, ratio %.3f\n",
               m[1].str().c_str(), measured, predicted, measured / predicted);
   EXPECT_GT(measured / predicted, 0.85) << r.output;
+  // Under ThreadSanitizer every copy Open MPI makes goes through TSan's memcpy, so the time also
+  // measures TSan (1.152 seen on a loaded 2-core machine): only "not faster than the cap" holds.
+#if !defined(__SANITIZE_THREAD__)
+  EXPECT_LT(measured / predicted, 1.35) << r.output;
+#endif
   // status counts each host's TCP segments since up: at least one pass of the exchange's bytes, in
   // segments of at most 1,448 bytes (MTU 1500 less the IP and TCP headers with timestamps).
   ShellResult status = run_shell(cl("status"));
@@ -265,11 +270,6 @@ TEST_F(ClusterEmulation, AlltoallRunsAtTheCap) {
     EXPECT_GE(std::stod(t[1]), min_segments) << status.output;
     EXPECT_LE(std::stod(t[2]), std::stod(t[1])) << status.output;
   }
-  // Under ThreadSanitizer every copy Open MPI makes goes through TSan's memcpy, so the time also
-  // measures TSan (1.152 seen on a loaded 2-core machine): only "not faster than the cap" holds.
-#if !defined(__SANITIZE_THREAD__)
-  EXPECT_LT(measured / predicted, 1.35) << r.output;
-#endif
 }
 
 // A host whose link is cut mid-step: rank 0's collective times out naming rank 1, and the job ends
