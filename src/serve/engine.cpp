@@ -317,8 +317,8 @@ std::vector<double> InferenceEngine::measure_expert_seconds(const std::vector<in
   return median;
 }
 
-// Each row attends over its slot's cached positions 0..pos with attention_forward's arithmetic
-// (attend_query), so a decode step reproduces the training forward's values.
+// Each row attends over its slot's cached positions 0..pos (attend_query): the training forward's
+// mathematics, its values to float rounding.
 void InferenceEngine::attention(int64_t l, std::span<const Row> rows) {
   const int64_t C = cfg_.d_model, NH = cfg_.n_heads, HS = C / NH, T = cfg_.seq_len;
   const int64_t N = static_cast<int64_t>(rows.size());

@@ -292,20 +292,38 @@ void attend_query(float* out, float* pre, float* att, const float* q, const floa
   }
 }
 
+// Per (batch, head) as GEMMs: scores = scale q k^T, a causal softmax per row, out = att v. Each GEMM is
+// small ([T,HS] x [HS,T]) and runs on the calling thread inside the (b, h) loop, as the experts' do.
 void attention_forward(float* out, float* preatt, float* att, const float* qkv, int64_t B, int64_t T, int64_t C,
                        int64_t NH) {
   const int64_t HS = C / NH, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
-#pragma omp parallel for collapse(3) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < NH; ++h) {
-        const float* seq = qkv + b * T * C3 + h * HS;  // token 0's q of head h
-        float* a = att + ((b * NH + h) * T + t) * T;
-        attend_query(out + (b * T + t) * C + h * HS, preatt + ((b * NH + h) * T + t) * T, a, seq + t * C3, seq + C,
-                     seq + 2 * C, C3, t + 1, HS, scale);
-        for (int64_t t2 = t + 1; t2 < T; ++t2) a[t2] = 0.0f;
+    for (int64_t h = 0; h < NH; ++h) {
+      const float* q = qkv + b * T * C3 + h * HS;  // [T,HS], row stride C3; k at q + C, v at q + 2C
+      float* pre = preatt + (b * NH + h) * T * T;   // [T,T]; above the diagonal unused
+      float* a = att + (b * NH + h) * T * T;        // [T,T]; zero above the diagonal
+      gemm(false, true, T, T, HS, scale, q, C3, q + C, C3, 0.0f, pre, T);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* p = pre + t * T;
+        float* at = a + t * T;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j <= t; ++j) mx = std::max(mx, p[j]);
+        float sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j <= t; ++j) {
+          at[j] = exp_vec(p[j] - mx);
+          sum += at[j];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j <= t; ++j) at[j] *= inv;
+        std::fill(at + t + 1, at + T, 0.0f);
       }
+      gemm(false, false, T, HS, T, 1.0f, a, T, q + 2 * C, C3, 0.0f, out + b * T * C + h * HS, C);
+    }
 }
 
 void attention_backward(float* dqkv, float* datt, float* dpreatt, const float* dout, const float* qkv,
@@ -315,40 +333,30 @@ void attention_backward(float* dqkv, float* datt, float* dpreatt, const float* d
   // One (b, h) per task: it writes only its own head's columns of dqkv for batch b, so no races.
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < NH; ++h)
+    for (int64_t h = 0; h < NH; ++h) {
+      const float* q = qkv + b * T * C3 + h * HS;  // [T,HS], row stride C3; k at q + C, v at q + 2C
+      float* dq = dqkv + b * T * C3 + h * HS;      // the same layout
+      const float* dy = dout + b * T * C + h * HS;  // [T,HS], row stride C
+      const float* a = att + (b * NH + h) * T * T;  // [T,T], zero above the diagonal
+      float* da = datt + (b * NH + h) * T * T;
+      float* dpre = dpreatt + (b * NH + h) * T * T;
+      gemm(true, false, T, HS, T, 1.0f, a, T, dy, C, 1.0f, dq + 2 * C, C3);  // dv += att^T dy
+      gemm(false, true, T, T, HS, 1.0f, dy, C, q + 2 * C, C3, 0.0f, da, T);  // datt = dy v^T
+      // softmax: dpre = att * (datt - sum(att * datt)), zero above the diagonal
       for (int64_t t = 0; t < T; ++t) {
-        const float* a = att + ((b * NH + h) * T + t) * T;
-        float* da = datt + ((b * NH + h) * T + t) * T;
-        float* dpre = dpreatt + ((b * NH + h) * T + t) * T;
-        const float* dy = dout + (b * T + t) * C + h * HS;
-        // out = sum_t2 a[t2] v[t2]
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* v = qkv + (b * T + t2) * C3 + h * HS + 2 * C;
-          float* dv = dqkv + (b * T + t2) * C3 + h * HS + 2 * C;
-          float dot = 0;
-          for (int64_t i = 0; i < HS; ++i) {
-            dot += v[i] * dy[i];
-            dv[i] += a[t2] * dy[i];
-          }
-          da[t2] = dot;
-        }
-        // softmax: dpre = a * (da - sum(a * da))
-        double s = 0;
-        for (int64_t t2 = 0; t2 <= t; ++t2) s += static_cast<double>(a[t2]) * da[t2];
-        for (int64_t t2 = 0; t2 <= t; ++t2) dpre[t2] = a[t2] * (da[t2] - static_cast<float>(s));
-        // pre = scale * q . k
-        const float* q = qkv + (b * T + t) * C3 + h * HS;
-        float* dq = dqkv + (b * T + t) * C3 + h * HS;
-        for (int64_t t2 = 0; t2 <= t; ++t2) {
-          const float* k = qkv + (b * T + t2) * C3 + h * HS + C;
-          float* dk = dqkv + (b * T + t2) * C3 + h * HS + C;
-          float g = dpre[t2] * scale;
-          for (int64_t i = 0; i < HS; ++i) {
-            dq[i] += k[i] * g;
-            dk[i] += q[i] * g;
-          }
-        }
+        const float* at = a + t * T;
+        const float* d = da + t * T;
+        float* dp = dpre + t * T;
+        float s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j <= t; ++j) s += at[j] * d[j];
+#pragma omp simd
+        for (int64_t j = 0; j <= t; ++j) dp[j] = at[j] * (d[j] - s);
+        std::fill(dp + t + 1, dp + T, 0.0f);
       }
+      gemm(false, false, T, HS, T, scale, dpre, T, q + C, C3, 1.0f, dq, C3);  // dq += scale dpre k
+      gemm(true, false, T, HS, T, scale, dpre, T, q, C3, 1.0f, dq + C, C3);   // dk += scale dpre^T q
+    }
 }
 
 // ---- embeddings ---------------------------------------------------------------------------------

@@ -145,10 +145,10 @@ void rmsnorm_backward(float* dinp /*[N,C]*/, float* dweight /*[C]*/, const float
 // Scale 1/sqrt(HS); position t attends to positions <= t.
 void attention_forward(float* out /*[B,T,C]*/, float* preatt /*[B,NH,T,T]*/, float* att /*[B,NH,T,T]*/,
                        const float* qkv /*[B,T,3C]*/, int64_t B, int64_t T, int64_t C, int64_t NH);
-// One query's attention over n keys, the arithmetic attention_forward runs for every (b, t, h) and the
-// inference engine (serve/engine.cpp) for a row over its KV cache, so both give the same values:
-// key/value j at k + j * stride and v + j * stride ([HS] each); pre [n] the scaled scores, att [n] their
-// softmax (att may be pre), out [HS] = sum_j att[j] * v_j.
+// One query's attention over n keys, as the inference engine (serve/engine.cpp) runs it for a row over
+// its KV cache: attention_forward's mathematics for one (b, t, h), whose GEMMs sum in another order, so
+// the two agree to float rounding. Key/value j at k + j * stride and v + j * stride ([HS] each); pre [n]
+// the scaled scores, att [n] their softmax (att may be pre), out [HS] = sum_j att[j] * v_j.
 void attend_query(float* out /*[HS]*/, float* pre /*[n]*/, float* att /*[n]*/, const float* q /*[HS]*/, const float* k,
                   const float* v, int64_t stride, int64_t n, int64_t HS, float scale);
 // datt and dpreatt are scratch [B,NH,T,T] (overwritten).
