@@ -268,26 +268,38 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 
 // ---- attention -----------------------------------------------------------------------------------
 
+namespace {
+// att[0..n) = softmax(pre[0..n)); att may be pre.
+void softmax_row(float* att, const float* pre, int64_t n) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, pre[j]);
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    att[j] = exp_vec(pre[j] - mx);
+    sum += att[j];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) att[j] *= inv;
+}
+}  // namespace
+
 void attend_query(float* out, float* pre, float* att, const float* q, const float* k, const float* v, int64_t stride,
                   int64_t n, int64_t HS, float scale) {
-  float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     const float* kj = k + j * stride;
     float dot = 0;
+#pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < HS; ++i) dot += q[i] * kj[i];
     pre[j] = dot * scale;
-    mx = std::max(mx, pre[j]);
   }
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    att[j] = std::exp(pre[j] - mx);
-    sum += att[j];
-  }
-  const float inv = static_cast<float>(1.0 / sum);
-  for (int64_t j = 0; j < n; ++j) att[j] *= inv;
+  softmax_row(att, pre, n);
   for (int64_t i = 0; i < HS; ++i) out[i] = 0;
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + j * stride;
+#pragma omp simd
     for (int64_t i = 0; i < HS; ++i) out[i] += att[j] * vj[i];
   }
 }
@@ -306,21 +318,8 @@ void attention_forward(float* out, float* preatt, float* att, const float* qkv, 
       float* a = att + (b * NH + h) * T * T;        // [T,T]; zero above the diagonal
       gemm(false, true, T, T, HS, scale, q, C3, q + C, C3, 0.0f, pre, T);
       for (int64_t t = 0; t < T; ++t) {
-        const float* p = pre + t * T;
-        float* at = a + t * T;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j <= t; ++j) mx = std::max(mx, p[j]);
-        float sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j <= t; ++j) {
-          at[j] = exp_vec(p[j] - mx);
-          sum += at[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j <= t; ++j) at[j] *= inv;
-        std::fill(at + t + 1, at + T, 0.0f);
+        softmax_row(a + t * T, pre + t * T, t + 1);
+        std::fill(a + t * T + t + 1, a + (t + 1) * T, 0.0f);
       }
       gemm(false, false, T, HS, T, 1.0f, a, T, q + 2 * C, C3, 0.0f, out + b * T * C + h * HS, C);
     }
