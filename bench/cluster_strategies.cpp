@@ -6,8 +6,9 @@
 // popularity order turns by an expert every 4 steps, --router-skew-drift 0.25: a load that moves between
 // steps as a trained gate's does, Hecate's paper's Fig. 3, the rate bench sim-strategies' load has) the
 // strategies run `moe train` (default model and corpus, --threads 1, the cost model each run measures
-// at start-up) in --repeats rounds (default 2) that interleave them, so the machine's drifts weigh on
-// all alike. Columns, medians over the rounds of each run's median over its steps after the warm-up:
+// at start-up) in --repeats rounds (default 2) that interleave them, each round starting one strategy
+// further on, so the machine's drifts weigh on all alike. Columns, medians over the rounds of each
+// run's median over its steps after the warm-up:
 //   step ms      the runtime's step_ms (rank 0): the step's wall time, optimizer included, plus the
 //                re-sharding between steps (reshard_ms: SmartMoE's swaps, Hecate's Alg. 2, FlexMoE's
 //                moves of shards and moments) spread over the steps: its sum over the measured steps
@@ -203,7 +204,8 @@ int cluster_strategies(const BenchOptions& opt) {
     return report.finish(1);
   }
   // runs[c][s]: every round's run of strategy s in configuration c.
-  std::vector<std::vector<std::vector<Run>>> runs(configs.size(), std::vector<std::vector<Run>>(strategies.size()));
+  std::vector<std::vector<std::vector<Run>>> runs(
+      configs.size(), std::vector<std::vector<Run>>(strategies.size(), std::vector<Run>(static_cast<size_t>(rounds))));
   int failed = 0;
   for (size_t c = 0; c < configs.size(); ++c) {
     const Config& cf = configs[c];
@@ -221,12 +223,15 @@ int cluster_strategies(const BenchOptions& opt) {
       } else {
         ++failed;
       }
-      for (size_t s = 0; s < strategies.size(); ++s) {
+      // Each round starts one strategy further on, so none always runs right after the calibration
+      // run or after the same strategy (as bench serve's rounds).
+      for (size_t i = 0; i < strategies.size(); ++i) {
+        const size_t s = (i + static_cast<size_t>(r)) % strategies.size();
         const std::string file = (dir / str_cat("c", c, "_s", s, "_r", r, ".jsonl")).string();
         const std::string workload = str_cat("--router-skew ", cf.skew, " --router-skew-drift ", cf.drift);
         Run run = train(launch, str_cat(workload, " --strategy ", strategies[s]), file, "");
         failed += run.ok ? 0 : 1;
-        runs[c][s].push_back(std::move(run));
+        runs[c][s][static_cast<size_t>(r)] = std::move(run);
       }
     }
     std::fprintf(stderr, "bench cluster-strategies: configuration %zu of %zu done\n", c + 1, configs.size());
