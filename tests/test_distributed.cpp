@@ -209,10 +209,11 @@ TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
   // top-2 GShard gate, dropless, and top-1 Switch with SwiGLU, a skewed router whose order drifts by an
   // expert every 2 steps and a capacity that drops tokens (capacity is defined on the global batch, so
   // dropping must not depend on the rank count).
+  constexpr int64_t kSteps = 6;
   for (std::string variant : {"--top-k 2", "--top-k 1 --activation swiglu --capacity-factor 0.75 --norm rmsnorm "
                                            "--router-skew 1.0 --router-skew-drift 0.5"}) {
     SCOPED_TRACE(variant);
-    std::string args = model_flags() + variant + " --steps 6 --warmup-steps 2 ";
+    std::string args = model_flags() + variant + " --steps " + std::to_string(kSteps) + " --warmup-steps 2 ";
     const fs::path ref_metrics = dir_ / "m1.jsonl";
     TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string() + " --metrics " + ref_metrics.string());
     ASSERT_EQ(ref.exit_code, 0) << ref.output;
@@ -228,8 +229,8 @@ TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
       expect_same_run(label, ref, r);
       EXPECT_NE(r.output.find("ranks: " + std::to_string(ranks)), std::string::npos) << r.output;
       if (r.exit_code != 0) continue;
-      const int64_t alike = steps_routed_alike(ref_metrics, metrics), steps = 6;
-      if (alike == steps) {
+      const int64_t alike = steps_routed_alike(ref_metrics, metrics);
+      if (alike == kSteps) {
         EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
         continue;
       }
@@ -239,7 +240,7 @@ TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
       // 2 steps at lr 1e-2). After the last step routed alike they must still agree.
       std::printf("  %s: the routing differs from step %lld; parameters compared after step %lld\n", label.c_str(),
                   static_cast<long long>(alike + 1), static_cast<long long>(alike));
-      ASSERT_GE(alike, steps / 2) << label << ": the routing differs from step " << alike + 1;
+      ASSERT_GE(alike, kSteps / 2) << label << ": the routing differs from step " << alike + 1;
       const std::string stop = " --stop-at-step " + std::to_string(alike) + " --checkpoint-dir ";
       const fs::path ref_stop = dir_ / "p1_stop", ck_stop = dir_ / "stop";
       ASSERT_EQ(train(0, args + stop + ref_stop.string()).exit_code, 0);
