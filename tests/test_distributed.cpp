@@ -124,13 +124,42 @@ int64_t steps_routed_alike(const fs::path& a, const fs::path& b) {
   return alike;
 }
 
+// A run's final parameters against the one-process reference's, both `steps` steps of `args`: the run
+// on `ranks` ranks with `flags` added (its checkpoint ck, metrics metrics); the reference's checkpoint
+// ref_ck, metrics ref_metrics. Gradients summed in another order (per rank, then across ranks) can
+// decide a near-tie of the router the other way: from that step the two train on different
+// assignments, and their parameters part by more than rounding (one token of 256 moved an expert weight
+// by 3.6e-4 in 2 steps at lr 1e-2). Then both run again (in `scratch`) up to the last step routed alike,
+// where they must still agree; at least half the steps must have routed alike.
+void expect_same_params(const std::string& label, const std::string& args, int64_t steps, const fs::path& ref_ck,
+                        const fs::path& ref_metrics, int ranks, const std::string& flags, const fs::path& ck,
+                        const fs::path& metrics, const fs::path& scratch) {
+  const int64_t alike = steps_routed_alike(ref_metrics, metrics);
+  if (alike == steps) {
+    EXPECT_LT(max_param_diff(ref_ck, ck), kParamTol) << label;
+    return;
+  }
+  std::printf("  %s: the routing differs from step %lld; parameters compared after step %lld\n", label.c_str(),
+              static_cast<long long>(alike + 1), static_cast<long long>(alike));
+  ASSERT_GE(alike, steps / 2) << label << ": the routing differs from step " << alike + 1;
+  const std::string stop = " --stop-at-step " + std::to_string(alike) + " --checkpoint-dir ";
+  const fs::path ref_stop = scratch / "ref_stop", ck_stop = scratch / "stop";
+  ASSERT_EQ(train(0, args + stop + ref_stop.string()).exit_code, 0) << label;
+  ASSERT_EQ(train(ranks, args + flags + stop + ck_stop.string()).exit_code, 0) << label;
+  EXPECT_LT(max_param_diff(ref_stop, ck_stop), kParamTol) << label;
+  fs::remove_all(ref_stop), fs::remove_all(ck_stop);
+}
+
 // Invariant 1 across strategies: Hecate (sparse materialization before the gate, calibration
 // after it, with and without re-materialization) and FasterMoE (shadowing after the gate) move expert
 // weights and tokens to other ranks than EP does, and must still train the same model. The router
 // skew makes the load uneven enough that both really replicate (asserted from their metrics).
 TEST_F(Distributed, SameMathAcrossStrategies) {
-  const std::string args = model_flags() + "--top-k 2 --router-skew 1.5 --steps 6 --warmup-steps 2 --comm-timeout 20 ";
-  TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string());
+  constexpr int64_t kSteps = 6;
+  const std::string args = model_flags() + "--top-k 2 --router-skew 1.5 --steps " + std::to_string(kSteps) +
+                           " --warmup-steps 2 --comm-timeout 20 ";
+  const fs::path ref_metrics = dir_ / "m1.jsonl";
+  TrainRun ref = train(0, args + "--checkpoint-dir " + (dir_ / "p1").string() + " --metrics " + ref_metrics.string());
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   struct Case {
     std::string strategy;
@@ -159,11 +188,12 @@ TEST_F(Distributed, SameMathAcrossStrategies) {
     SCOPED_TRACE(label);
     const fs::path ck = dir_ / std::string("c").append(std::to_string(c.ranks)), metrics = dir_ / "metrics.jsonl";
     fs::remove(metrics);
-    TrainRun r = train(c.ranks, args + "--strategy " + c.strategy + " --metrics " + metrics.string() +
-                                    " --checkpoint-dir " + ck.string());
+    const std::string flags = "--strategy " + c.strategy;
+    TrainRun r =
+        train(c.ranks, args + flags + " --metrics " + metrics.string() + " --checkpoint-dir " + ck.string());
     expect_same_run(label + " vs one process", ref, r);
     if (r.exit_code != 0) continue;
-    EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
+    expect_same_params(label, args, kSteps, dir_ / "p1", ref_metrics, c.ranks, flags, ck, metrics, dir_);
     int64_t replicas = 0, sparse_bytes = 0, peak = 0, moved = 0;
     for (const nlohmann::json& m : step_metrics(metrics)) {
       EXPECT_EQ(m.at("strategy"), c.strategy.substr(0, c.strategy.find(' ')));
@@ -229,24 +259,7 @@ TEST_F(Distributed, SameMathOnOneTwoFourRanks) {
       expect_same_run(label, ref, r);
       EXPECT_NE(r.output.find("ranks: " + std::to_string(ranks)), std::string::npos) << r.output;
       if (r.exit_code != 0) continue;
-      const int64_t alike = steps_routed_alike(ref_metrics, metrics);
-      if (alike == kSteps) {
-        EXPECT_LT(max_param_diff(dir_ / "p1", ck), kParamTol);
-        continue;
-      }
-      // Gradients summed in another order (per rank, then across ranks) decided a near-tie of the
-      // router the other way: from that step the two train on different assignments, and their
-      // parameters part by more than rounding (one token of 256 moved an expert weight by 3.6e-4 in
-      // 2 steps at lr 1e-2). After the last step routed alike they must still agree.
-      std::printf("  %s: the routing differs from step %lld; parameters compared after step %lld\n", label.c_str(),
-                  static_cast<long long>(alike + 1), static_cast<long long>(alike));
-      ASSERT_GE(alike, kSteps / 2) << label << ": the routing differs from step " << alike + 1;
-      const std::string stop = " --stop-at-step " + std::to_string(alike) + " --checkpoint-dir ";
-      const fs::path ref_stop = dir_ / "p1_stop", ck_stop = dir_ / "stop";
-      ASSERT_EQ(train(0, args + stop + ref_stop.string()).exit_code, 0);
-      ASSERT_EQ(train(ranks, args + stop + ck_stop.string()).exit_code, 0);
-      EXPECT_LT(max_param_diff(ref_stop, ck_stop), kParamTol);
-      fs::remove_all(ref_stop), fs::remove_all(ck_stop);
+      expect_same_params(label, args, kSteps, dir_ / "p1", ref_metrics, ranks, "", ck, metrics, dir_);
     }
     fs::remove_all(dir_);
     fs::create_directories(dir_);
