@@ -51,6 +51,27 @@ TEST(CpuThreads, OtherMachinesNeverShare) {
   EXPECT_EQ(plan_threads({}, all, 2).sharing, 2);
 }
 
+TEST(CpuThreads, CorePoolsGroupTheRanksThatShareCores) {
+  using moe::runtime::core_pools;
+  // 4 ranks of one thread on a 2-CPU machine (mpirun --oversubscribe): one pool running 2 at once.
+  moe::plan::CorePools p = core_pools(std::vector<RankCpus>(4, cpus(3, {0, 1})), {1, 1, 1, 1});
+  EXPECT_EQ(p.pool_of_rank, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(p.ranks_at_once, (std::vector<double>{2}));
+  // 2 emulated hosts of one CPU each, 2 ranks a host.
+  p = core_pools({cpus(3, {0}), cpus(3, {0}), cpus(3, {1}), cpus(3, {1})}, {1, 1, 1, 1});
+  EXPECT_EQ(p.pool_of_rank, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(p.ranks_at_once, (std::vector<double>{1, 1}));
+  // Masks that overlap through a third rank's join one pool: 4 CPUs for ranks of 2 threads.
+  p = core_pools({cpus(3, {0, 1}), cpus(3, {1, 2}), cpus(3, {2, 3})}, {2, 2, 2});
+  EXPECT_EQ(p.pool_of_rank, (std::vector<int>{0, 0, 0}));
+  EXPECT_EQ(p.ranks_at_once, (std::vector<double>{2}));
+  // A CPU for every thread, or other machines: nothing shared.
+  EXPECT_TRUE(core_pools({cpus(3, {0}), cpus(3, {1})}, {1, 1}).empty());
+  EXPECT_TRUE(core_pools({cpus(1, {0}), cpus(2, {0})}, {1, 1}).empty());
+  EXPECT_TRUE(core_pools(std::vector<RankCpus>(2, cpus(3, {0, 1})), {1, 1}).empty());
+  EXPECT_THROW(core_pools({cpus(3, {0})}, {0}), std::logic_error);
+}
+
 TEST(CpuThreads, MoreRanksThanCpusGetOneThreadEach) {
   std::vector<RankCpus> all(4, cpus(3, {0, 1}));
   ThreadPlan p = plan_threads({}, all, 3);

@@ -156,6 +156,27 @@ TEST(Placement, ExchangeChunksSplitEachRanksHeldExpertsInOrder) {
   EXPECT_THROW(exchange_chunks(p, 0), std::logic_error);
 }
 
+// Ranks that share cores (CorePools): tokens moved between two ranks of one pool save nothing.
+TEST(Placement, BusiestLoadPricesRanksSharingCoresByTheirPool) {
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{3, 1, 1, 1}, CorePools{}), 3);
+  // 2 hosts of one core, 2 ranks each. Host 0 computes 3 + 1 tokens on its core, each rank having
+  // measured its rate at half of it.
+  const CorePools hosts{{0, 0, 1, 1}, {1, 1}};
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{3, 1, 1, 1}, hosts), 2);
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{2, 2, 1, 1}, hosts), 2);    // to the host-mate
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{2, 1, 2, 1}, hosts), 1.5);  // to the other host
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{1, 1, 1, 1}, hosts), 1);    // even: as without pools
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<int64_t>{3, 1, 1, 1}, hosts), 2);
+  // 4 ranks on 2 cores: the busiest rank bounds the step once it holds more than the cores' share.
+  const CorePools machine{{0, 0, 0, 0}, {2}};
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{4, 2, 1, 1}, machine), 2);  // 0.5 * max(4, 8 / 2)
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{6, 0, 1, 1}, machine), 3);  // 0.5 * max(6, 8 / 2)
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{3, 1}, CorePools{{0, 0}, {2}}), 3);  // a core each
+  EXPECT_THROW(busiest_load(std::vector<double>{1, 1}, hosts), std::logic_error);  // 2 loads, 4 ranks
+  EXPECT_THROW(busiest_load(std::vector<double>{1, 1, 1, 1}, CorePools{{0, 0, 1, 2}, {1, 1}}), std::logic_error);
+  EXPECT_THROW(busiest_load(std::vector<double>{1, 1, 1, 1}, CorePools{{0, 0, 1, 1}, {1, 0}}), std::logic_error);
+}
+
 TEST(Dispatch, KeepsTokensLocalWhenTheSourceHoldsAReplica) {
   LayerPlacement p = even_placement(4, 4);  // expert e on rank e
   p.replicas[0] = {0, 1, 2, 3};
@@ -531,6 +552,28 @@ TEST(Hecate, CalibrationGathersOnlyWhenItPays) {
   EXPECT_EQ(c.busiest_after, 400);
   expect_same(c.placement, in_force);
   EXPECT_THROW(calibrate(in_force, counts, 1, 1, nodes, CalibrationModel{0, 1e5, 1000}), std::logic_error);
+}
+
+// 2 hosts of one core, 2 ranks each, every rank routing 100 tokens to expert 0 (rank 0's). Only rank
+// 1, rank 0's host-mate, has a slot free (expert 1 fills the others'): a replica there halves rank 0's
+// tokens but not its host's, so it pays only where the ranks compute on cores of their own.
+TEST(Hecate, CalibrationPricesRanksSharingACoreByTheirPool) {
+  LayerPlacement busy = even_placement(4, 4);
+  busy.replicas[1] = {0, 1, 2, 3};
+  const Counts counts = single_hot_counts(4, 4, 0, 100);
+  const Nodes nodes = uniform_nodes(4, 2);
+  CalibrationModel model{1e-3, 1e5, 1000};
+  Calibration c = calibrate(busy, counts, 1, 1, nodes, model);
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(c.busiest_before, 400);
+  EXPECT_EQ(c.busiest_after, 200);
+  model.cores = CorePools{{0, 0, 1, 1}, {1, 1}};
+  c = calibrate(busy, counts, 1, 1, nodes, model);
+  EXPECT_FALSE(c.gather);
+  EXPECT_EQ(c.busiest_before, 200);  // host 0's 400 tokens, at the half core each rank measured
+  EXPECT_EQ(c.busiest_after, 200);
+  expect_same(c.placement, busy);
 }
 
 // Two equally hot experts: Alg. 1 with t = 1 copies expert 0 everywhere, which leaves rank 1 with all of
@@ -1038,6 +1081,22 @@ TEST(SmartMoe, PricedSwapAdoptedOnlyWhenItsSavingBeatsTheMove) {
   EXPECT_FALSE(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, cfg).adopted);
   cfg.bandwidth = 0;
   EXPECT_THROW(smartmoe_plan({0, 0, 1, 1}, 2, near, 10, cfg), std::logic_error);  // half priced
+}
+
+// Two ranks on one core: the swap that evens them leaves the core's total as it was; the rows it keeps
+// off the slowest link still count.
+TEST(SmartMoe, ASwapBetweenRanksSharingACoreSavesOnlyTheirExchanges) {
+  SmartMoeConfig cfg;
+  cfg.expert_seconds_per_token = 1e-3, cfg.expert_state_bytes = 3'000'000, cfg.bandwidth = 100e6;
+  cfg.cores = CorePools{{0, 0}, {1}};
+  const SmartMoePlan shared = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 10, cfg);
+  EXPECT_TRUE(shared.evaluated);
+  EXPECT_FALSE(shared.adopted);
+  EXPECT_DOUBLE_EQ(shared.saved_seconds, 0);
+  cfg.exchange_seconds_per_token = 1e-3;
+  const SmartMoePlan exchanges = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 10, cfg);
+  EXPECT_TRUE(exchanges.adopted);
+  EXPECT_DOUBLE_EQ(exchanges.saved_seconds, 0.2);  // (70 - 50) rows x 1 ms x 10 steps
 }
 
 TEST(SmartMoe, ReducesTheMaxRankLoadOnZipfAndNeverIncreasesIt) {

@@ -365,6 +365,21 @@ std::string trace_text(const SimRunResult& r) {
   return ss.str();
 }
 
+// A calibrated CPU cluster's planners see the ranks that share cores as the trainer finds them there.
+TEST(SimStrategies, CpuClustersGiveThePlannersTheirCorePools) {
+  ClusterSpec c;
+  EXPECT_TRUE(sim_core_pools(c, {0, 0, 1, 1}).empty());  // devices: nothing shared
+  c.cpu_cores = 2, c.cpu_threads_per_device = 1, c.cpu_nodes_pinned = true;
+  plan::CorePools p = sim_core_pools(c, {0, 0, 1, 1});  // 2 emulated hosts of one core, 2 ranks each
+  EXPECT_EQ(p.pool_of_rank, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(p.ranks_at_once, (std::vector<double>{1, 1}));
+  EXPECT_TRUE(sim_core_pools(c, {0, 1}).empty());  // a core each
+  c.cpu_nodes_pinned = false;
+  p = sim_core_pools(c, {0, 0, 1, 1});  // all 4 ranks on both cores
+  EXPECT_EQ(p.pool_of_rank, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(p.ranks_at_once, (std::vector<double>{2}));
+}
+
 TEST(SimStrategies, Deterministic) {
   for (bool remat : {false, true}) {
     SimRunConfig cfg = run_config("hecate", "zipf-drift:1.0,0.5");

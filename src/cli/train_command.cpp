@@ -121,6 +121,9 @@ CLI::App* add_train_command(CLI::App& app, TrainFlags* f) {
   bind_flag(c, f, "--gemm", &TrainConfig::gemm,
             "GEMM kernel: onednn, openblas, or auto (rank 0 times both; a resumed run keeps its checkpoint's)");
   bind_flag(c, f, "--gemm-gflops", &TrainConfig::gemm_gflops, "GFLOP/s the planners assume for expert GEMMs (default 0: measured at start-up)");
+  bind_flag(c, f, "--shared-cores", &TrainConfig::shared_cores,
+            "placement strategies: ranks that take turns on shared CPU cores, priced as such by the planners: measured "
+            "(from the ranks' CPU masks) or none (each rank as on cores of its own)");
   bind_flag(c, f, "--link-refresh-every", &TrainConfig::link_refresh_every,
             "placement strategies: measure the links again every N steps, so a slow or shared link is noticed (0: never; default 100)");
   bind_flag(c, f, "--reshard-every", &TrainConfig::reshard_every,

@@ -55,11 +55,11 @@ std::vector<int> fastermoe_shadowed(const std::vector<int>& owner, const std::ve
     for (int w = 0; w < R; ++w) load[e] += counts[w][e];
     rows[owner[e]] += load[e];
   }
-  // Per token on the busiest rank: 3 GEMM passes (forward + backward) and 4 transfers (two
-  // all-to-alls each way).
-  const double per_token = 3 * u.t_c + 4 * u.t_f;
+  // Per token on the busiest rank: 3 GEMM passes (forward + backward), on cores its pool may share,
+  // and 4 transfers (two all-to-alls each way).
   auto latency = [&](const std::vector<int64_t>& b, size_t k) {
-    return per_token * static_cast<double>(*std::max_element(b.begin(), b.end())) + static_cast<double>(k) * u.t_m;
+    return 3 * u.t_c * busiest_load(b, model.cores) +
+           4 * u.t_f * static_cast<double>(*std::max_element(b.begin(), b.end())) + static_cast<double>(k) * u.t_m;
   };
   std::vector<int> shadowed;
   std::vector<bool> in_s(E, false);
@@ -188,7 +188,9 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
     add_replica(next, hot, target);
     moves.push_back({ReplicaMove::Kind::expand, hot, target, p.owner[hot]});
 
-    const double saved = (max_of(rank_load) - max_of(flexmoe_rank_loads(next, load))) * cfg.expert_seconds_per_token;
+    const double saved =
+        (busiest_load(rank_load, cfg.cores) - busiest_load(flexmoe_rank_loads(next, load), cfg.cores)) *
+        cfg.expert_seconds_per_token;
     const double added = moves.size() == 1 ? cfg.replica_step_seconds : 0;  // an expand keeps one more replica
     if (!((saved - added) * cfg.replan_interval > move_seconds)) break;
     if (moves.size() == 1) ++held[target];  // a migrate keeps the target's count
@@ -198,7 +200,7 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
   // Shrink, every step, the replicas that relieve no maximum (a load that moved on leaves them behind;
   // dropping one moves nothing).
   for (;;) {
-    const double max_before = max_of(flexmoe_rank_loads(p, load));
+    const double max_before = busiest_load(flexmoe_rank_loads(p, load), cfg.cores);
     double least_rise = std::numeric_limits<double>::infinity();
     int drop_expert = -1, drop_rank = -1;
     for (int e = 0; e < E; ++e)
@@ -206,7 +208,7 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
         if (r == p.owner[e]) continue;  // the master copy stays
         LayerPlacement without = p;
         drop_replica(without, e, r);
-        const double rise = max_of(flexmoe_rank_loads(without, load)) - max_before;
+        const double rise = busiest_load(flexmoe_rank_loads(without, load), cfg.cores) - max_before;
         if (rise < least_rise) least_rise = rise, drop_expert = e, drop_rank = r;
       }
     if (drop_expert < 0 || least_rise > 0) break;
@@ -236,7 +238,8 @@ SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std
   if (cfg.interval < 1 || steps_since_update < 0) violated(kWhere, "needs interval >= 1, steps_since_update >= 0");
   const bool priced = cfg.expert_seconds_per_token != 0 || cfg.expert_state_bytes != 0 || cfg.bandwidth != 0;
   if (priced && (!positive_finite(cfg.expert_seconds_per_token) || cfg.expert_state_bytes <= 0 ||
-                 !positive_finite(cfg.bandwidth)))
+                 !positive_finite(cfg.bandwidth) || !(cfg.exchange_seconds_per_token >= 0) ||
+                 !std::isfinite(cfg.exchange_seconds_per_token)))
     violated(kWhere, "a priced SmartMoeConfig needs every cost field > 0 and finite");
   const std::vector<double> before = owner_rank_loads(owner, n_ranks, load);
   const int E = static_cast<int>(owner.size());
@@ -276,7 +279,10 @@ SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std
     std::vector<int> received(n_ranks, 0);
     for (const ExpertMove& m : moves) ++received[m.to];
     const int most = *std::max_element(received.begin(), received.end());
-    plan.saved_seconds = (plan.max_load_before - after) * cfg.expert_seconds_per_token * cfg.interval;
+    const double compute = (busiest_load(before, cfg.cores) - busiest_load(acc, cfg.cores)) *
+                           cfg.expert_seconds_per_token;
+    plan.saved_seconds =
+        (compute + (plan.max_load_before - after) * cfg.exchange_seconds_per_token) * cfg.interval;
     plan.move_seconds = most * static_cast<double>(cfg.expert_state_bytes) / cfg.bandwidth;
     if (!(plan.saved_seconds > plan.move_seconds)) return plan;
   }

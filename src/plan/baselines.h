@@ -36,6 +36,9 @@ struct FasterMoeModel {
   // BW for t_m, bytes/s an expert's weights move at (0: bandwidth, FasterMoE's one BW). The trainer
   // measures both: the links, and what the steps' weight transfers achieve beside its compute.
   double weights_bandwidth = 0;
+  // Ranks that take turns on shared CPU cores: the compute term prices their rows by busiest_load
+  // (plan/placement.h). Empty: each rank computes on its own.
+  CorePools cores{};
 };
 
 // Seconds per unit: t_c = 4aH^2/P (forward GEMMs of one token), t_f = H*s/BW (moving one token once),
@@ -50,7 +53,8 @@ FasterMoeUnitCosts fastermoe_unit_costs(const FasterMoeModel& model);
 // so far, rank w's rows are
 //   B_w(S) = sum over the experts e it owns, e not in S, of L_e  +  sum over e in S of c[w][e]
 // (a shadowed expert's tokens are computed where they were routed from), and
-//   Lat(S) = (3*t_c + 4*t_f) * max_w B_w(S) + |S| * t_m.
+//   Lat(S) = 3*t_c * busiest_load(B(S), cores) + 4*t_f * max_w B_w(S) + |S| * t_m
+// (busiest_load is max_w B_w(S) where ranks share no cores: FasterMoE's (3*t_c + 4*t_f) * max_w B_w(S)).
 // Repeatedly the hottest expert not in S held by the busiest rank (ties: lower ids) joins S, until
 // that rank holds none with tokens or one expert is left; the shadowed set is the prefix of that
 // order with the lowest Lat (the fewest on ties). FasterMoE's code stops at the first k whose Lat does
@@ -97,6 +101,9 @@ struct FlexMoeConfig {
   // What one more replica costs every step: its gathers and its gradients' reduce where they take the
   // compute's cores (CPU ranks); 0 where they run beside it (GPUs).
   double replica_step_seconds = 0;
+  // Ranks that take turns on shared CPU cores: "max rank load" above is busiest_load over them
+  // (plan/placement.h). Empty: each rank computes on its own.
+  CorePools cores{};
 };
 
 struct ReplicaMove {
@@ -159,12 +166,17 @@ FlexMoePlan flexmoe_plan(const LayerPlacement& current, const std::vector<double
 
 struct SmartMoeConfig {
   int interval = 10;  // f: steps between evaluations (>= 1)
-  // Cost model (all 0: unpriced, the paper's rule; else all > 0 and finite): adopted only when
-  //   (max rank load before - after) * expert_seconds_per_token * interval
+  // Cost model (all 0: unpriced, the paper's rule; else all > 0 and finite but
+  // exchange_seconds_per_token, >= 0): adopted only when
+  //   ((busiest_load before - after) * expert_seconds_per_token
+  //    + (max rank load before - after) * exchange_seconds_per_token) * interval
   //       > (most experts one rank receives) * expert_state_bytes / bandwidth
-  double expert_seconds_per_token = 0;  // one token through one expert, forward + backward
-  int64_t expert_state_bytes = 0;       // one expert's parameters + optimizer state
-  double bandwidth = 0;                 // bytes/s a rank receives at
+  // busiest_load (plan/placement.h) over `cores`, the max rank load where ranks share no cores.
+  double expert_seconds_per_token = 0;    // one token through one expert, forward + backward
+  double exchange_seconds_per_token = 0;  // one routed token's rows through the exchanges, on average
+  int64_t expert_state_bytes = 0;         // one expert's parameters + optimizer state
+  double bandwidth = 0;                   // bytes/s a rank receives at
+  CorePools cores{};                      // ranks that take turns on shared CPU cores (empty: none)
 };
 
 struct SmartMoePlan {

@@ -66,9 +66,11 @@ int saturate(double x) { return x >= static_cast<double>(INT_MAX) ? INT_MAX : st
 // The busiest rank's tokens under p, and the most any rank receives over the slowest link class the
 // ranks span: from ranks of other nodes, or from the other ranks when all share one node.
 struct RankLoad {
-  int64_t busiest = 0, remote = 0;
+  double busiest = 0;  // busiest_load over the core pools
+  int64_t remote = 0;
 };
-RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts) {
+RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts,
+                   const CorePools& cores) {
   const auto rows = dispatch_plan(p, nodes, counts);
   const std::vector<int64_t> received = received_tokens(rows);
   const std::vector<int> group = slowest_link_groups(nodes);
@@ -81,25 +83,25 @@ RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vecto
     }
     l.remote = std::max(l.remote, slow);
   }
-  l.busiest = *std::max_element(received.begin(), received.end());
+  l.busiest = busiest_load(received, cores);
   return l;
 }
 
 // price_placement's price of calibrated, in_force's load already known. REQUIRES: those of
-// price_placement, before == rank_load(in_force, nodes, counts).
+// price_placement, before == rank_load(in_force, nodes, counts, model.cores).
 Calibration price_against(const LayerPlacement& in_force, RankLoad before, const LayerPlacement& calibrated,
                           const std::vector<std::vector<int64_t>>& counts, const Nodes& nodes,
                           const CalibrationModel& model) {
   Calibration c;
   c.busiest_before = before.busiest, c.remote_before = before.remote;
-  const RankLoad after = rank_load(calibrated, nodes, counts);
+  const RankLoad after = rank_load(calibrated, nodes, counts, model.cores);
   c.busiest_after = after.busiest, c.remote_after = after.remote;
   std::vector<int64_t> gained(in_force.n_ranks, 0);
   for (int e = 0; e < in_force.n_experts(); ++e)
     for (int r : calibrated.replicas[e])
       if (!in_force.holds(r, e)) ++gained[r];
   c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
-  c.saved_seconds = static_cast<double>(c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
+  c.saved_seconds = (c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
                     static_cast<double>(c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
   c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;
   c.gather = c.saved_seconds > c.gather_seconds;
@@ -219,7 +221,7 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
       model.transfers_per_replica < 1 || !std::isfinite(model.exchange_seconds_per_token) ||
       model.exchange_seconds_per_token < 0)
     violated(kWhere, "CalibrationModel fields must be positive and finite");
-  return price_against(in_force, rank_load(in_force, nodes, counts), calibrated, counts, nodes, model);
+  return price_against(in_force, rank_load(in_force, nodes, counts, model.cores), calibrated, counts, nodes, model);
 }
 
 std::vector<std::vector<int64_t>> even_counts(const std::vector<double>& load, int R) {

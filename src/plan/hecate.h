@@ -76,14 +76,17 @@ struct CalibrationModel {
   // span (4 exchanges: dispatch and combine, forward and backward); 0 leaves the all-to-alls out of
   // the price.
   double exchange_seconds_per_token = 0;
+  // Ranks that take turns on shared CPU cores: their expert work is priced by busiest_load
+  // (plan/placement.h). Empty: each rank computes on its own.
+  CorePools cores{};
 };
 
 // Whether the calibration's extra SparseAllGather pays, and the placement to dispatch over.
 struct Calibration {
   bool gather = false;         // true: gather `placement` now, before dispatching
   LayerPlacement placement;    // the calibrated placement when gather, else the one in force
-  int64_t busiest_before = 0;  // tokens of the busiest rank under the placement in force
-  int64_t busiest_after = 0;   // ... under the calibrated placement (computed in both cases)
+  double busiest_before = 0;   // busiest_load of the ranks' tokens under the placement in force
+  double busiest_after = 0;    // ... under the calibrated placement (computed in both cases)
   int64_t remote_before = 0;   // rows the rank receiving the most over the slowest link receives, in force
   int64_t remote_after = 0;    // ... calibrated
   int64_t gather_bytes = 0;    // bytes received by the rank receiving the most in the extra gather
@@ -99,7 +102,8 @@ struct Calibration {
 // gather_seconds (the smallest t' on ties; t's own result when none gathers). The overlap degree
 // bounds what hides behind attention; this gather is on the critical path, so its price bounds it
 // (the paper re-runs Alg. 1 without saying with which t). Cost model:
-//   busiest(P)      = max over ranks d of the tokens dispatch_plan(P, nodes, counts) sends to d
+//   busiest(P)      = busiest_load (plan/placement.h) over model.cores of the tokens dispatch_plan(P,
+//                     nodes, counts) sends to each rank: the busiest rank's where ranks share no cores
 //   remote(P)       = max over ranks d of the tokens it receives over the slowest link class the ranks
 //                     span: from ranks of other nodes (rows within a node cross no NIC), or from the
 //                     other ranks when all share one node

@@ -2,6 +2,7 @@
 #include "plan/placement.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "plan/detail.h"
@@ -201,6 +202,30 @@ std::vector<ExpertMove> owner_moves(const std::vector<int>& old_owner, const std
     if (old_owner[e] != new_owner[e]) moves.push_back({static_cast<int>(e), old_owner[e], new_owner[e]});
   }
   return moves;
+}
+
+double busiest_load(const std::vector<double>& load, const CorePools& pools) {
+  if (pools.empty()) return load.empty() ? 0.0 : *std::max_element(load.begin(), load.end());
+  const int P = static_cast<int>(pools.ranks_at_once.size());
+  if (pools.pool_of_rank.size() != load.size()) violated("busiest_load", "pool_of_rank must have one pool per rank");
+  std::vector<double> most(P, 0.0), sum(P, 0.0);
+  std::vector<int> ranks(P, 0);
+  for (size_t r = 0; r < load.size(); ++r) {
+    const int p = pools.pool_of_rank[r];
+    if (p < 0 || p >= P) violated("busiest_load", "a pool id out of range");
+    most[p] = std::max(most[p], load[r]), sum[p] += load[r], ++ranks[p];
+  }
+  double busiest = 0;
+  for (int p = 0; p < P; ++p) {
+    const double c = pools.ranks_at_once[p];
+    if (!(c > 0) || !std::isfinite(c)) violated("busiest_load", "ranks_at_once must be positive and finite");
+    if (ranks[p] > 0) busiest = std::max(busiest, std::min(1.0, c / ranks[p]) * std::max(most[p], sum[p] / c));
+  }
+  return busiest;
+}
+
+double busiest_load(const std::vector<int64_t>& load, const CorePools& pools) {
+  return busiest_load(std::vector<double>(load.begin(), load.end()), pools);
 }
 
 }  // namespace moe::plan

@@ -89,6 +89,26 @@ std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacemen
 // What the busiest-rank cost models of the planners compare. REQUIRES: rows is [R][E][R].
 std::vector<int64_t> received_tokens(const std::vector<std::vector<std::vector<int64_t>>>& rows);
 
+// Ranks that take turns on shared CPU cores: CPU ranks of one machine whose compute threads outnumber
+// the cores they may run on (4 ranks of one thread on 2 cores; the 2 ranks of an emulated host given
+// one core). Empty: every rank computes on cores, or a device, of its own.
+struct CorePools {
+  std::vector<int> pool_of_rank;      // [R]: pool ids 0..P-1
+  std::vector<double> ranks_at_once;  // [P]: how many of the pool's ranks its cores run at full speed at once
+  bool empty() const { return pool_of_rank.empty(); }
+};
+
+// The busiest rank's expert work where ranks may share cores, in tokens at the rate the ranks measure:
+//   max over pools p of min(1, c_p / R_p) * max(max over r in p of load[r], (sum over r in p of load[r]) / c_p)
+// with R_p the pool's ranks and c_p its ranks_at_once. Ranks that share cores compute their experts
+// side by side, each at c_p / R_p of its speed alone (what their measured rate holds): an even pool
+// finishes with its total, and tokens moved between two ranks of one pool save nothing. Without pools,
+// or where each pool has cores for all its ranks, the busiest rank's load. What every planner's
+// busiest-rank price compares. REQUIRES: pools empty, or pool_of_rank [load.size()] with ids in
+// [0, ranks_at_once.size()) and ranks_at_once > 0 and finite.
+double busiest_load(const std::vector<double>& load, const CorePools& pools);
+double busiest_load(const std::vector<int64_t>& load, const CorePools& pools);
+
 // An expert shard (parameters + optimizer state) that changes owner: what the runtime moves when a
 // planner re-shards (Hecate Alg. 2, SmartMoE).
 struct ExpertMove {

@@ -89,8 +89,48 @@ std::string ThreadPlan::describe() const {
   return s + ")";
 }
 
-Status plan_rank_threads(const ThreadRequest& request, comm::Communicator* world, ThreadPlan* out) {
+plan::CorePools core_pools(const std::vector<RankCpus>& all, const std::vector<int>& threads) {
+  const int R = static_cast<int>(all.size());
+  if (static_cast<int>(threads.size()) != R || std::any_of(threads.begin(), threads.end(), [](int t) { return t < 1; }))
+    throw std::logic_error("core_pools: needs threads >= 1 for every rank");
+  std::vector<int> root(R);  // union-find over overlapping masks
+  for (int r = 0; r < R; ++r) root[r] = r;
+  auto find = [&](int r) {
+    while (root[r] != r) r = root[r] = root[root[r]];
+    return r;
+  };
+  for (int a = 0; a < R; ++a)
+    for (int b = a + 1; b < R; ++b)
+      if (all[a].overlaps(all[b])) root[find(b)] = find(a);
+  plan::CorePools pools;
+  std::vector<int> id(R, -1), ranks, most_threads;
+  std::vector<RankCpus> cpus;  // the union of each pool's masks
+  for (int r = 0; r < R; ++r) {
+    const int g = find(r);
+    if (id[g] < 0) {  // a new pool, numbered in the order of its first rank
+      id[g] = static_cast<int>(ranks.size());
+      ranks.push_back(0);
+      most_threads.push_back(1);
+      cpus.push_back(all[r]);
+    }
+    const int p = id[g];
+    pools.pool_of_rank.push_back(p);
+    ++ranks[p];
+    most_threads[p] = std::max(most_threads[p], threads[r]);
+    for (int w = 0; w < RankCpus::kWords; ++w) cpus[p].mask[w] |= all[r].mask[w];
+  }
+  bool shared = false;
+  for (size_t p = 0; p < ranks.size(); ++p) {
+    pools.ranks_at_once.push_back(static_cast<double>(std::max(1, cpus[p].count())) / most_threads[p]);
+    shared = shared || pools.ranks_at_once[p] < ranks[p];
+  }
+  return shared ? pools : plan::CorePools{};
+}
+
+Status plan_rank_threads(const ThreadRequest& request, comm::Communicator* world, ThreadPlan* out,
+                         plan::CorePools* pools) {
   const RankCpus mine = this_process_cpus();
+  if (pools) *pools = {};
   if (!world || world->size() == 1) {
     *out = plan_threads(request, {mine}, 0);
     return Status::ok();
@@ -108,6 +148,11 @@ Status plan_rank_threads(const ThreadRequest& request, comm::Communicator* world
     for (int i = 0; i < RankCpus::kWords; ++i) all[r].mask[i] = static_cast<uint64_t>(recv[r * kLen + 1 + i]);
   }
   *out = plan_threads(request, all, world->rank());
+  if (pools) {
+    std::vector<int> threads;
+    for (int r = 0; r < world->size(); ++r) threads.push_back(plan_threads(request, all, r).threads);
+    *pools = core_pools(all, threads);
+  }
   return Status::ok();
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "plan/placement.h"
 #include "util/status.h"
 
 namespace moe::runtime {
@@ -52,9 +53,17 @@ ThreadRequest thread_request(int config_threads);
 // max(1, cpus / sharing). REQUIRES: 0 <= me < all.size(), request.threads >= 0.
 ThreadPlan plan_threads(const ThreadRequest& request, const std::vector<RankCpus>& all, int me);
 
+// The job's ranks that take turns on shared cores, for the planners (plan::CorePools): ranks whose masks
+// overlap, directly or through another rank's, form a pool, whose CPUs (the union of their masks) run
+// CPUs / (the most threads one of its ranks runs) of its ranks at full speed at once. Empty where every
+// pool has CPUs for all its ranks' threads. Pure. REQUIRES: threads [all.size()], each >= 1.
+plan::CorePools core_pools(const std::vector<RankCpus>& all, const std::vector<int>& threads);
+
 // Collective over `world` (null: one process): every rank's RankCpus are all-gathered and each rank
-// plans its own threads. Errors: a communication failure.
-Status plan_rank_threads(const ThreadRequest& request, comm::Communicator* world, ThreadPlan* out);
+// plans its own threads; *pools (when not null) gets the job's core_pools (empty with one process).
+// Errors: a communication failure.
+Status plan_rank_threads(const ThreadRequest& request, comm::Communicator* world, ThreadPlan* out,
+                         plan::CorePools* pools = nullptr);
 
 // The same decision from what a process knows before MPI starts: its mask and the ranks mpirun
 // started on its host (OMPI_COMM_WORLD_LOCAL_SIZE), assumed to share the mask. Used to choose

@@ -24,6 +24,7 @@ strategy::Setup Strategy::setup(const plan::Nodes& nodes) const {
   s.model = cfg_.model;
   s.world = static_cast<int>(nodes.node_of_rank.size());
   s.nodes = nodes;
+  s.cores = cores_;
   s.options.rematerialize = cfg_.rematerialize;
   s.options.replica_slots = static_cast<int>(cfg_.replica_slots);
   s.options.replica_memory_bytes = static_cast<int64_t>(cfg_.replica_memory_mb * (1 << 20));
@@ -44,8 +45,10 @@ graph::EpStep Strategy::build_step(const graph::EpStepOptions& opt) const {
   return impl_->build_step(cfg_.model, opt);
 }
 
-void Strategy::attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather) {
+void Strategy::attach(Model& model, const plan::Nodes& nodes, const plan::CorePools& cores,
+                      comm::Communicator* gather) {
   nodes_ = nodes;
+  cores_ = cores;
   if (Status s = strategy::make(cfg_.strategy, setup(nodes), &impl_); !s)
     throw std::logic_error("runtime::Strategy: " + s.message());
   if (uses_placements() && nodes.node_of_rank.size() > 1) model.enable_placements(nodes, gather);

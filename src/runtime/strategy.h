@@ -36,9 +36,10 @@ class Strategy {
   // else graph::build_ep_step.
   graph::EpStep build_step(const graph::EpStepOptions& opt) const;
   // After Model::set_expert_parallel: turns placements on in every MoE layer and sets the strategy up
-  // for these ranks. nodes: node of each rank; gather: the gather lane's communicator over the ep group.
-  // The model's MoE layers are kept for the calls below (REQUIRES: model outlives this object).
-  void attach(Model& model, const plan::Nodes& nodes, comm::Communicator* gather);
+  // for these ranks. nodes: node of each rank; cores: the ranks that take turns on shared CPU cores
+  // (runtime::core_pools); gather: the gather lane's communicator over the ep group. The model's MoE
+  // layers are kept for the calls below (REQUIRES: model outlives this object).
+  void attach(Model& model, const plan::Nodes& nodes, const plan::CorePools& cores, comm::Communicator* gather);
   // The planners' cost model (runtime/measure_costs.h; until set, the one --link-gbs and
   // --gemm-gflops give). Starts the strategy afresh: REQUIRES attach() done, before the first step.
   void set_cost_model(const strategy::CostModel& cost);
@@ -88,6 +89,7 @@ class Strategy {
   strategy::CostModel cost_;
   std::unique_ptr<strategy::Strategy> impl_;
   plan::Nodes nodes_{{0}};
+  plan::CorePools cores_;
   // From attach: the placement-enabled MoE layers in order (the strategy's layer index is the
   // position here), and each block's position (-1: none).
   std::vector<MoeLayer*> layers_;

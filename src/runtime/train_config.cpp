@@ -84,6 +84,8 @@ Status TrainConfig::validate() const {
   probe->configure(&graph_options);
   if (reshard_every < 0) return fail("reshard_every must be >= 0 (0: never)");
   if (link_refresh_every < 0) return fail("link_refresh_every must be >= 0 (0: never)");
+  if (shared_cores != "measured" && shared_cores != "none")
+    return fail("shared_cores '" + shared_cores + "' is not one of measured, none");
   if (on_nonfinite != "stop" && on_nonfinite != "skip")
     return fail("on_nonfinite '" + on_nonfinite + "' is not one of stop, skip");
   if (on_checkpoint_error != "stop" && on_checkpoint_error != "continue")
@@ -160,6 +162,7 @@ json TrainConfig::to_json() const {
               {"link_gbs", link_gbs},
               {"gemm_gflops", gemm_gflops},
               {"link_refresh_every", link_refresh_every},
+              {"shared_cores", shared_cores},
               {"on_nonfinite", on_nonfinite},
               {"on_checkpoint_error", on_checkpoint_error},
               {"reshard_every", reshard_every},
@@ -177,7 +180,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
                                 "stop_at_step", "threads", "gemm", "comm_timeout_s", "ranks_per_node",
                                 "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize",
                                 "replica_slots", "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops",
-                                "link_refresh_every", "on_nonfinite",
+                                "link_refresh_every", "shared_cores", "on_nonfinite",
                                 "on_checkpoint_error", "reshard_every", "device", "dtype", "model"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
@@ -205,6 +208,7 @@ Status TrainConfig::merge_json(const json& j, TrainConfig* out) {
       (s = read_key(j, "overlap_degree", &c.overlap_degree)) && (s = read_key(j, "load_window", &c.load_window)) &&
       (s = read_key(j, "link_gbs", &c.link_gbs)) && (s = read_key(j, "gemm_gflops", &c.gemm_gflops)) &&
       (s = read_key(j, "link_refresh_every", &c.link_refresh_every)) &&
+      (s = read_key(j, "shared_cores", &c.shared_cores)) &&
       (s = read_key(j, "on_nonfinite", &c.on_nonfinite)) &&
       (s = read_key(j, "on_checkpoint_error", &c.on_checkpoint_error)) && (s = read_key(j, "reshard_every", &c.reshard_every)) && (s = read_key(j, "device", &c.device)) &&
       (s = read_key(j, "dtype", &c.dtype))) {

@@ -74,6 +74,9 @@ struct TrainConfig {
   double link_gbs = 0;            // GB/s the planners assume for moving expert weights (0: measured)
   double gemm_gflops = 0;         // GFLOP/s the planners assume for expert GEMMs (0: measured)
   int64_t link_refresh_every = 100;  // placement strategies: links measured again every N steps (0: never)
+  // Ranks that take turns on shared CPU cores, for the planners: "measured" (from the ranks' affinity
+  // masks: runtime::core_pools) or "none" (every rank priced as computing on cores of its own).
+  std::string shared_cores = "measured";
   int64_t reshard_every = 100;    // hecate (Alg. 2), smartmoe: re-shard experts every N steps (0: never)
   // Where the model trains: "cpu" (this process's cores; any rank count and strategy) or "cuda" (one
   // GPU, one rank, strategy ep: cuda/train.h). Checkpoints are the same files either way, so a run

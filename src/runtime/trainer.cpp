@@ -55,6 +55,7 @@ struct Ranks {
   std::unique_ptr<comm::Communicator> gather;  // the gather lane's (placement strategies)
   comm::Topology topology;
   runtime::ThreadPlan threads;  // this rank's compute threads (runtime/cpu_threads.h)
+  plan::CorePools cores;        // the job's ranks that take turns on shared cores (empty: none)
   int rank = 0, size = 1;
   bool lead() const { return rank == 0; }
   // Sum over ranks (identity with one rank).
@@ -255,6 +256,20 @@ json cost_model_json(const strategy::CostModel& c) {
           {"gemm_gflops", c.gemm_flops / 1e9}};
 }
 
+// "ranks 0 1 share cores running 1 at full speed, ranks 2 3 share cores running 1 at full speed"
+std::string describe(const plan::CorePools& pools) {
+  std::string out;
+  for (size_t p = 0; p < pools.ranks_at_once.size(); ++p) {
+    out += p ? ", ranks" : "ranks";
+    for (size_t r = 0; r < pools.pool_of_rank.size(); ++r)
+      if (pools.pool_of_rank[r] == static_cast<int>(p)) out += str_cat(" ", r);
+    char at_once[32];
+    std::snprintf(at_once, sizeof at_once, "%.3g", pools.ranks_at_once[p]);
+    out += str_cat(" share cores running ", at_once, " at full speed");
+  }
+  return out;
+}
+
 struct StepLoads;
 
 // One training run on this rank, phase by phase (train() below calls them in order). Every phase
@@ -358,7 +373,8 @@ Status TrainingRun::set_up() {
     // compute's core (docs/strategies.md, "A wait mode per lane"). The all-to-all lane keeps polling.
     for (comm::Communicator* c : {ranks_.grad_world.get(), ranks_.grad_dp.get(), ranks_.gather.get()})
       if (c) c->set_wait_mode(comm::WaitMode::sleep);
-    strategy_.attach(*model_, nodes_, ranks_.gather.get());
+    strategy_.attach(*model_, nodes_, cfg_.shared_cores == "none" ? plan::CorePools{} : ranks_.cores,
+                     ranks_.gather.get());
   }
   // The step as data (the strategy's graph), what each op does here, and the runtime that runs it.
   gopt_.world = ranks_.size;
@@ -445,6 +461,8 @@ Status TrainingRun::announce() {
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   say("threads: %s%s%s\n", ranks_.threads.describe().c_str(), wait_policy ? "; OMP_WAIT_POLICY=" : "",
       wait_policy ? wait_policy : "");
+  if (!ranks_.cores.empty() && strategy_.uses_placements() && cfg_.shared_cores != "none")
+    say("cores: %s (the planners price the busiest rank's experts so)\n", describe(ranks_.cores).c_str());
   say("batch %lld x %lld tokens; %lld steps\n", (long long)B_, (long long)T_, (long long)cfg_.steps);
   if (start_ > 0) say("resume: from %s at step %lld\n", cfg_.resume.c_str(), (long long)start_);
   return Status::ok();
@@ -982,7 +1000,7 @@ json resume_identity(const TrainConfig& c) {
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
                         "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
                         "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "on_nonfinite", "on_checkpoint_error", "reshard_every", "device",
+                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "shared_cores", "on_nonfinite", "on_checkpoint_error", "reshard_every", "device",
                         "dtype"})
     j.erase(k);
   return j;
@@ -1029,7 +1047,8 @@ Status run_training(const TrainConfig& cfg) {
   }
   // Threads: as asked (--threads, else OMP_NUM_THREADS), else this rank's CPUs shared among the ranks
   // whose CPUs overlap its own.
-  if (Status s = runtime::plan_rank_threads(runtime::thread_request(cfg.threads), ranks.world.get(), &ranks.threads);
+  if (Status s = runtime::plan_rank_threads(runtime::thread_request(cfg.threads), ranks.world.get(), &ranks.threads,
+                                            &ranks.cores);
       !s) {
     if (ranks.size > 1) comm::abort_job(s);
     return s;

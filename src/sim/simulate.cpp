@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "runtime/cpu_threads.h"
 #include "sim/placement_costs.h"
 #include "strategy/strategy.h"
 #include "util/str_cat.h"
@@ -93,6 +94,19 @@ Status resolve(SimRunConfig* cfg) {
   return Status::ok();
 }
 
+plan::CorePools sim_core_pools(const ClusterSpec& cluster, const std::vector<int>& node_of_rank) {
+  if (cluster.cpu_cores <= 0 || node_of_rank.empty()) return {};
+  const int nodes = 1 + *std::max_element(node_of_rank.begin(), node_of_rank.end());
+  const int per_node = cluster.cpu_nodes_pinned ? std::max(1, cluster.cpu_cores / nodes) : cluster.cpu_cores;
+  std::vector<runtime::RankCpus> cpus(node_of_rank.size());
+  for (size_t r = 0; r < node_of_rank.size(); ++r) {
+    const int first = cluster.cpu_nodes_pinned ? node_of_rank[r] * per_node : 0;
+    for (int c = first; c < first + per_node && c < runtime::RankCpus::kWords * 64; ++c)
+      cpus[r].mask[c / 64] |= uint64_t{1} << (c % 64);
+  }
+  return runtime::core_pools(cpus, std::vector<int>(node_of_rank.size(), cluster.cpu_threads_per_device));
+}
+
 Status simulate(SimRunConfig cfg, SimRunResult* out) {
   const auto wall0 = std::chrono::steady_clock::now();
   if (Status s = resolve(&cfg); !s) return s;
@@ -114,6 +128,7 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
   setup.overlap_bandwidth = overlap_bandwidth(cluster);
   cluster_links(cluster, &setup.intra_node, &setup.inter_node);
   setup.cpu_ranks = cfg.cluster.cpu_cores > 0;
+  setup.cores = sim_core_pools(cfg.cluster, setup.node_of_rank);
   std::unique_ptr<SimStrategy> strategy;
   try {
     if (Status s = sim_strategies().at(cfg.strategy).make(setup, &strategy); !s) return s;

@@ -64,7 +64,13 @@ struct StrategySetup {
   double overlap_bandwidth = 0;  // Hecate's Alg. 1 bw (overlap_bandwidth(cluster))
   strategy::LinkCost intra_node, inter_node;
   bool cpu_ranks = false;  // the cluster's devices are CPU processes sharing cores (ClusterSpec::cpu_cores > 0)
+  plan::CorePools cores{};  // of those, the ranks that take turns on the same cores (sim_core_pools)
 };
+
+// The ranks of a calibrated CPU cluster (cpu_cores > 0) that take turns on the same cores, as
+// runtime::core_pools finds them on the machine: each node's on its cpu_cores / nodes cores when
+// cpu_nodes_pinned, else all on all of them; empty for device clusters. node_of_rank [ranks].
+plan::CorePools sim_core_pools(const ClusterSpec& cluster, const std::vector<int>& node_of_rank);
 
 // What a placement strategy decided in the last step (zeros for EP).
 struct PlacementStats {

@@ -13,6 +13,7 @@ class FasterMoe : public Strategy {
     model_.d_model = s.model.d_model;
     model_.ffn_ratio = static_cast<double>(s.model.d_ffn) / static_cast<double>(s.model.d_model);
     model_.bytes_per_element = sizeof(float);
+    model_.cores = s.cores;
     update_cost(s.cost);
   }
   void update_cost(const CostModel& c) override {

@@ -21,6 +21,7 @@ class FlexMoe : public Strategy {
       : predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), s.options.load_window) {
     config_.reserved_slots = s.options.replica_slots >= 0 ? s.options.replica_slots : 1;
     config_.replan_interval = s.options.reshard_every > 0 ? s.options.reshard_every : 50;
+    config_.cores = s.cores;
     update_cost(s.cost);
   }
   void update_cost(const CostModel& c) override {

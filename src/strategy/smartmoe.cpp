@@ -33,14 +33,15 @@ class SmartMoe : public Strategy {
         predictor_(moe_layer_count(s.model), static_cast<int>(s.model.n_experts), std::max(1, reshard_every_)),
         exchange_bytes_(row_exchange_bytes(s.model) * slow_link_share(s.nodes, std::max(1, s.world))) {
     config_.interval = std::max(1, reshard_every_);
+    config_.cores = s.cores;
     update_cost(s.cost);
   }
   // A token routed to a rank costs it the expert's compute and its 4 exchanges (dispatch and combine,
   // forward and backward) where it crosses the slowest link: the swap's saving is in both, and where the
   // step waits on the all-to-all (every GPU preset) mostly in the second.
   void update_cost(const CostModel& c) override {
-    config_.expert_seconds_per_token =
-        c.expert_seconds_per_token + (c.network_bandwidth > 0 ? exchange_bytes_ / c.network_bandwidth : 0);
+    config_.expert_seconds_per_token = c.expert_seconds_per_token;
+    config_.exchange_seconds_per_token = c.network_bandwidth > 0 ? exchange_bytes_ / c.network_bandwidth : 0;
     config_.expert_state_bytes = 3 * c.expert_bytes;  // weights + Adam's two moments
     config_.bandwidth = c.bandwidth;
   }

@@ -102,6 +102,9 @@ struct Setup {
   ModelConfig model;
   int world = 1;      // ranks of the (one) expert-parallel group placements span
   plan::Nodes nodes;  // node of each rank
+  // Ranks that take turns on shared CPU cores (runtime/cpu_threads.h measures them; empty: none, as
+  // on GPUs): every planner prices the busiest rank's expert work over them (plan::busiest_load).
+  plan::CorePools cores{};
   Options options;
   CostModel cost;
 };
