@@ -998,10 +998,11 @@ std::string hex64(uint64_t x) {
 json resume_identity(const TrainConfig& c) {
   json j = c.to_json();
   for (const char* k : {"data", "metrics", "checkpoint_dir", "checkpoint_every", "resume", "stop_at_step", "log_every",
-                        "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node", "allreduce_micro_kb",
-                        "trace", "trace_steps", "strategy", "rematerialize", "replica_slots", "replica_memory_mb", "overlap_degree",
-                        "load_window", "link_gbs", "gemm_gflops", "link_refresh_every", "shared_cores", "on_nonfinite", "on_checkpoint_error", "reshard_every", "device",
-                        "dtype"})
+                        "eval_every", "eval_batches", "threads", "gemm", "comm_timeout_s", "ranks_per_node",
+                        "allreduce_micro_kb", "trace", "trace_steps", "strategy", "rematerialize", "replica_slots",
+                        "replica_memory_mb", "overlap_degree", "load_window", "link_gbs", "gemm_gflops",
+                        "link_refresh_every", "shared_cores", "on_nonfinite", "on_checkpoint_error", "reshard_every",
+                        "device", "dtype"})
     j.erase(k);
   return j;
 }
