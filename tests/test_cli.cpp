@@ -80,6 +80,7 @@ TEST_F(CliTest, WrongTypeInConfig) {
 TEST_F(CliTest, ContradictoryConfig) {
   expect_rejected(tiny() + "--experts 2 --top-k 3", "top_k");
   expect_rejected(tiny() + "--d-model 30 --heads 4", "n_heads");
+  expect_rejected(tiny() + "--shared-cores some", "shared_cores 'some' is not one of measured, none");
 }
 
 // bf16 is the GPU model's mixed precision; the CPU model is f32 only. Asked for on the CPU (by the
