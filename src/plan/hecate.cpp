@@ -63,8 +63,9 @@ int place_replicas(LayerPlacement& p, int expert, int n, std::vector<int>& free,
 
 int saturate(double x) { return x >= static_cast<double>(INT_MAX) ? INT_MAX : static_cast<int>(x); }
 
-// The busiest rank's tokens under p, and the most any rank receives over the slowest link class the
-// ranks span: from ranks of other nodes, or from the other ranks when all share one node.
+// The busiest rank's tokens under p (busiest_load over the ranks that share cores), and the most any
+// rank receives over the slowest link class the ranks span: from ranks of other nodes, or from the
+// other ranks when all share one node.
 struct RankLoad {
   double busiest = 0;  // busiest_load over the core pools
   int64_t remote = 0;

@@ -55,7 +55,7 @@ struct Ranks {
   std::unique_ptr<comm::Communicator> gather;  // the gather lane's (placement strategies)
   comm::Topology topology;
   runtime::ThreadPlan threads;  // this rank's compute threads (runtime/cpu_threads.h)
-  plan::CorePools cores;        // the job's ranks that take turns on shared cores (empty: none)
+  plan::CorePools cores;        // the job's ranks that take turns on shared cores (empty: none, or --shared-cores none)
   int rank = 0, size = 1;
   bool lead() const { return rank == 0; }
   // Sum over ranks (identity with one rank).
@@ -373,8 +373,7 @@ Status TrainingRun::set_up() {
     // compute's core (docs/strategies.md, "A wait mode per lane"). The all-to-all lane keeps polling.
     for (comm::Communicator* c : {ranks_.grad_world.get(), ranks_.grad_dp.get(), ranks_.gather.get()})
       if (c) c->set_wait_mode(comm::WaitMode::sleep);
-    strategy_.attach(*model_, nodes_, cfg_.shared_cores == "none" ? plan::CorePools{} : ranks_.cores,
-                     ranks_.gather.get());
+    strategy_.attach(*model_, nodes_, ranks_.cores, ranks_.gather.get());
   }
   // The step as data (the strategy's graph), what each op does here, and the runtime that runs it.
   gopt_.world = ranks_.size;
@@ -461,7 +460,7 @@ Status TrainingRun::announce() {
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   say("threads: %s%s%s\n", ranks_.threads.describe().c_str(), wait_policy ? "; OMP_WAIT_POLICY=" : "",
       wait_policy ? wait_policy : "");
-  if (!ranks_.cores.empty() && strategy_.uses_placements() && cfg_.shared_cores != "none")
+  if (!ranks_.cores.empty() && strategy_.uses_placements())
     say("cores: %s (the planners price the busiest rank's experts so)\n", describe(ranks_.cores).c_str());
   say("batch %lld x %lld tokens; %lld steps\n", (long long)B_, (long long)T_, (long long)cfg_.steps);
   if (start_ > 0) say("resume: from %s at step %lld\n", cfg_.resume.c_str(), (long long)start_);
@@ -1054,6 +1053,7 @@ Status run_training(const TrainConfig& cfg) {
     if (ranks.size > 1) comm::abort_job(s);
     return s;
   }
+  if (cfg.shared_cores == "none") ranks.cores = {};
   omp_set_num_threads(ranks.threads.threads);
   set_gemm_threads(ranks.threads.threads);
   Status s;
