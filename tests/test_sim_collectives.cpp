@@ -262,6 +262,34 @@ TEST(SimCollectives, EagerSendsStartWithTheirSenderAndAreDoneOnItAtOnce) {
   EXPECT_THROW(colls.start(bad), std::logic_error);
 }
 
+// A sender's eager sends cross one after another in its posting order (to member + 1, + 2, ...), each
+// when the one before has arrived; sends above the eager limit share the NIC side by side. Members:
+// 0 = device 0 and 2 = device 1 (node 0), 1 = device 2 and 3 = device 3 (node 1). Member 2 sends S to
+// members 1 and 3: it posts to 3 first (2 + 1), then to 1 (2 + 3).
+TEST(SimCollectives, EagerSendsOfOneSenderCrossInItsPostingOrder) {
+  const double B = 1e9, S = 1e6;
+  const Cluster cluster = two_nodes_one_nic(B);
+  auto member_ends = [&](double eager_bytes) {
+    CollectiveSpec a2a = spec_of(CollectiveKind::alltoallv, {0, 2, 1, 3}, 0);
+    a2a.peer_bytes.assign(16, 0);
+    a2a.peer_bytes[2 * 4 + 1] = a2a.peer_bytes[2 * 4 + 3] = S;
+    a2a.eager_bytes = eager_bytes;
+    Collectives colls(cluster);
+    colls.start(a2a);
+    const std::vector<FinishedCollective> done = run(colls);
+    EXPECT_EQ(done.size(), 1u);
+    return done.empty() ? std::vector<double>{} : done[0].member_end;
+  };
+  const std::vector<double> eager = member_ends(S);
+  ASSERT_EQ(eager.size(), 4u);
+  EXPECT_NEAR(eager[3], S / B, 1e-9);      // posted first: the NIC alone
+  EXPECT_NEAR(eager[1], 2 * S / B, 1e-9);  // then the second
+  EXPECT_NEAR(eager[2], 0, 1e-12);         // both done on the sender when it reached the exchange
+  const std::vector<double> rendezvous = member_ends(S / 2);
+  ASSERT_EQ(rendezvous.size(), 4u);
+  for (int m : {1, 2, 3}) EXPECT_NEAR(rendezvous[m], 2 * S / B, 1e-9) << m;  // side by side, half the NIC each
+}
+
 // Aggregated flows (collectives.h) on 4 H100 HGX nodes: a skewed all-to-all (every member sends most
 // to member 0, as tokens to a hot expert) and a uniform one finish when the exact ones do, with far
 // fewer flows; an aggregated ring allreduce ends on every member at once.

@@ -383,6 +383,7 @@ int Collectives::start(const CollectiveSpec& spec) {
                 cluster_.node_of(r.devices[t.src]) != cluster_.node_of(r.devices[t.dst]);
       t.deps_left += !r.reached[t.src] + (!t.eager && !r.reached[t.dst]);
     }
+    if (spec.kind == CollectiveKind::alltoallv && !spec.aggregate) queue_eager_sends(&r);
   }
   r.end_together = spec.aggregate && n > 0 &&
                    (spec.kind == CollectiveKind::allreduce || spec.kind == CollectiveKind::allgather ||
@@ -411,8 +412,31 @@ void Collectives::launch(int collective, int transfer) {
   ++transfers_started_;
   if (flow >= static_cast<int>(flow_owner_.size())) flow_owner_.resize(flow + 1, {-1, -1});
   flow_owner_[flow] = {collective, transfer};
-  // An eager send is done on its sender when it starts (MPI completes it once the kernel has its bytes).
-  if (t.eager) transfer_done_on(collective, t.src, now());
+  // Eager sends are done on their sender when the first starts (MPI completes them once the kernel
+  // has their bytes), those queued behind it included.
+  if (t.eager && !t.queued)
+    for (int x = transfer; x >= 0; x = r.transfers[x].queued_next) transfer_done_on(collective, t.src, now());
+}
+
+// A sender's eager sends between nodes go out one after another in the order it posts them: the
+// runtime's alltoallv posts to member + 1, + 2, ... (comm/mpi_communicator.cpp), and on the emulated
+// cluster the kernel delivered two such messages to two ranks of another host mostly one after the
+// other rather than side by side (docs/sim.md, "A sender's eager messages leave in order").
+void Collectives::queue_eager_sends(Running* r) {
+  const int p = static_cast<int>(r->devices.size());
+  std::vector<std::vector<int>> by_sender(p);
+  for (int x = 0; x < static_cast<int>(r->transfers.size()); ++x)
+    if (r->transfers[x].eager) by_sender[r->transfers[x].src].push_back(x);
+  for (int src = 0; src < p; ++src) {
+    std::vector<int>& sends = by_sender[src];
+    auto posted = [&](int x) { return (r->transfers[x].dst - src + p) % p; };
+    std::sort(sends.begin(), sends.end(), [&](int a, int b) { return posted(a) < posted(b); });
+    for (size_t k = 1; k < sends.size(); ++k) {
+      r->transfers[sends[k - 1]].queued_next = sends[k];
+      r->transfers[sends[k]].queued = true;
+      ++r->transfers[sends[k]].deps_left;
+    }
+  }
 }
 
 void Collectives::transfer_done_on(int collective, int member, double t) {
@@ -454,6 +478,7 @@ std::vector<FinishedCollective> Collectives::advance(double t) {
       const int next = r.successors[s];
       if (--r.transfers[next].deps_left == 0) launch(c, next);
     }
+    if (tr.queued_next >= 0 && --r.transfers[tr.queued_next].deps_left == 0) launch(c, tr.queued_next);
     if (r.transfers_left == 0 && r.not_reached == 0) done.push_back(c);
   }
   std::sort(done.begin(), done.end());

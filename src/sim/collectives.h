@@ -100,8 +100,10 @@ struct CollectiveSpec {
   // collective at start(); the others reach it by Collectives::reach(). Empty: every member has.
   // Eager sends (ClusterSpec::eager_bytes): a transfer between nodes of at most eager_bytes starts
   // once its sender reached, leaves the sender's own link out of its path (its bytes are copied into
-  // the kernel at once) and counts as done on the sender when it starts (MPI completes an eager send
-  // then), on the receiver when its bytes arrived. Every other transfer starts once both its ends
+  // the kernel at once) and counts as done on the sender when it reached (MPI completes an eager send
+  // then), on the receiver when its bytes arrived. A sender's eager sends start one after another, each
+  // when the one it posted before has arrived, in the runtime's posting order (to member + 1, + 2, ...),
+  // as the emulated cluster's kernel delivers them. Every other transfer starts once both its ends
   // reached. A member's part ends when it reached and its transfers are done, and the collective
   // when every transfer ended and every member reached it.
   std::vector<char> reached;
@@ -162,6 +164,8 @@ class Collectives {
     double alpha_steps = 1;  // the path's alpha is paid this many times (aggregated ring phases)
     double weight = 1;       // max-min shares (aggregated all-to-all flows: one per sender)
     bool eager = false;      // starts once its sender reached (CollectiveSpec::reached)
+    bool queued = false;     // an eager send that follows its sender's previous one onto the link
+    int queued_next = -1;    // the sender's next eager send, which starts when this one has arrived
     int deps_left = 0;
     int succ_begin = 0, succ_end = 0;  // its successors: successors[succ_begin, succ_end)
     int carried_begin = 0, carried_end = 0;  // members whose bytes it carries: carried[begin, end)
@@ -182,6 +186,7 @@ class Collectives {
 
   void validate(const CollectiveSpec& spec) const;
   void launch(int collective, int transfer);
+  void queue_eager_sends(Running* r);  // each sender's eager sends one after another, in posting order
   // One of the member's transfers is done at t: its part ends with the last, once it reached the collective.
   void transfer_done_on(int collective, int member, double t);
   FinishedCollective finish(int collective);

@@ -40,10 +40,10 @@
 //     (Collectives::take_member_ends). Except on a cluster that sends eagerly
 //     (ClusterSpec::eager_bytes > 0): an alltoallv (not a sparse schedule, not aggregated) between
 //     nodes starts when its first member reaches it, and each member's eager sends start when it
-//     reaches it and are done on it at once (collectives.h, CollectiveSpec::reached), as MPI's eager
-//     protocol hands them to the kernel; on a CPU cluster its members' lanes count as moving data
-//     between hosts from when the last member reached it (a lane waiting for late peers moves
-//     nothing; docs/sim.md, "Eager sends").
+//     reaches it, one after another in its posting order, and are done on it at once (collectives.h,
+//     CollectiveSpec::reached), as MPI's eager protocol hands them to the kernel; on a CPU cluster
+//     its members' lanes count as moving data between hosts from when the last member reached it (a
+//     lane waiting for late peers moves nothing; docs/sim.md, "Eager sends").
 // What the collective moves, from the members' Op::cost (bytes this rank sends):
 //   alltoallv, sendrecv: the p x p matrix of the members' peer_bytes (group rank order); a member with
 //     no peer_bytes spreads cost.bytes evenly over the other members.
