@@ -576,6 +576,29 @@ TEST(Hecate, CalibrationPricesRanksSharingACoreByTheirPool) {
   expect_same(c.placement, busy);
 }
 
+// Alg. 1 copies expert 0 (rank 0's, 100 tokens from every rank) to every rank. On 2 hosts of one core,
+// 2 ranks each, a copy on rank 1 beside the owner saves its host nothing, and one of host 1's two copies
+// is enough to keep its tokens home: the calibration drops those replicas, the coldest expert's and the
+// lowest rank's first, for the same saving. With a core per rank every copy shortens the busiest rank.
+TEST(Hecate, CalibrationDropsTheReplicasThatSaveNothing) {
+  const LayerPlacement in_force = even_placement(4, 4);
+  const Counts counts = single_hot_counts(4, 4, 0, 100);
+  const Nodes nodes = uniform_nodes(4, 2);
+  CalibrationModel model{1e-3, 1e5, 1000};
+  Calibration c = calibrate(in_force, counts, 1, 1, nodes, model);
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(c.busiest_after, 100);
+  model.cores = CorePools{{0, 0, 1, 1}, {1, 1}};
+  c = calibrate(in_force, counts, 1, 1, nodes, model);
+  EXPECT_TRUE(c.gather);
+  EXPECT_EQ(c.placement.replicas[0], (std::vector<int>{0, 3}));
+  EXPECT_EQ(c.busiest_before, 200);  // host 0's 400 tokens at the half core each rank measured
+  EXPECT_EQ(c.busiest_after, 100);   // each host's 200
+  EXPECT_EQ(c.remote_after, 0);
+  EXPECT_EQ(c.gather_bytes, 1000);
+}
+
 // Two equally hot experts: Alg. 1 with t = 1 copies expert 0 everywhere, which leaves rank 1 with all of
 // expert 1's tokens and adds its own share of expert 0 (busiest 400 -> 500: no gather). The
 // calibration goes on to t' = 2, both experts on every rank, each rank computing its own 200.

@@ -205,6 +205,20 @@ Calibration cheapest_materialization(const LayerPlacement& base, const std::vect
     if (c.gather && (!best.gather || c.saved_seconds - c.gather_seconds > best.saved_seconds - best.gather_seconds))
       best = std::move(c);
   }
+  if (!best.gather) return best;
+  // Alg. 1 fills every free slot; a replica that saves nothing still costs its transfers (hecate.h).
+  std::vector<std::pair<int, int>> extras;  // (expert, rank)
+  for (int e = 0; e < base.n_experts(); ++e)
+    for (int r : best.placement.replicas[e])
+      if (!base.holds(r, e)) extras.emplace_back(e, r);
+  std::stable_sort(extras.begin(), extras.end(),
+                   [&](const auto& a, const auto& b) { return load[a.first] < load[b.first]; });
+  for (const auto& [e, r] : extras) {
+    LayerPlacement fewer = best.placement;
+    std::erase(fewer.replicas[e], r);
+    Calibration c = price_against(base, before, fewer, counts, nodes, model);
+    if (c.gather && c.saved_seconds - c.gather_seconds >= best.saved_seconds - best.gather_seconds) best = std::move(c);
+  }
   return best;
 }
 

@@ -99,7 +99,11 @@ struct Calibration {
 // (L_e = sum over s of counts[s][e]) and the remaining memory (m minus the extras in force, as
 // sparse_materialize counts them), then prices the result; once for each t' from t up to the number
 // of experts with tokens, keeping the gathering placement with the largest saved_seconds -
-// gather_seconds (the smallest t' on ties; t's own result when none gathers). The overlap degree
+// gather_seconds (the smallest t' on ties; t's own result when none gathers); then each extra replica
+// of that placement, the coldest expert's first (ranks ascending), is dropped where the placement
+// without it prices no worse: Alg. 1 fills every free slot, and a replica that shortens neither the
+// busiest rank (or pool) nor the busiest receiver's rows over the slowest link costs its transfers
+// for nothing (a host-mate's copy where ranks share a core). The overlap degree
 // bounds what hides behind attention; this gather is on the critical path, so its price bounds it
 // (the paper re-runs Alg. 1 without saying with which t). Cost model:
 //   busiest(P)      = busiest_load (plan/placement.h) over model.cores of the tokens dispatch_plan(P,
@@ -134,7 +138,8 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
 
 // Alg. 1 on base for each t' from t_min to t_max (cut to the experts with load > 0), each priced by
 // price_placement against base over counts: the gathering placement with the largest saved_seconds -
-// gather_seconds (the smallest t' on ties), else t_min's price (gather false). calibrate is this
+// gather_seconds (the smallest t' on ties) less the replicas that save nothing (calibrate), else
+// t_min's price (gather false). calibrate is this
 // with base = the placement in force, t_min = t, t_max = E; Hecate's overlapped gather on CPU ranks
 // with base = the owners, t_min = 0, t_max = t and the predicted loads' even_counts. REQUIRES: those
 // of sparse_materialize and price_placement, 0 <= t_min.
