@@ -200,10 +200,10 @@ Calibration cheapest_materialization(const LayerPlacement& base, const std::vect
   const int loaded = static_cast<int>(std::count_if(load.begin(), load.end(), [](double l) { return l > 0; }));
   Calibration best = price_placement(base, sparse_materialize(base, load, t_min, m, nodes), counts, nodes, model);
   const RankLoad before{best.busiest_before, best.remote_before};  // base's, the same for every t'
+  auto net = [](const Calibration& c) { return c.saved_seconds - c.gather_seconds; };
   for (int t = t_min + 1; t <= std::min(t_max, loaded); ++t) {
     Calibration c = price_against(base, before, sparse_materialize(base, load, t, m, nodes), counts, nodes, model);
-    if (c.gather && (!best.gather || c.saved_seconds - c.gather_seconds > best.saved_seconds - best.gather_seconds))
-      best = std::move(c);
+    if (c.gather && (!best.gather || net(c) > net(best))) best = std::move(c);
   }
   if (!best.gather) return best;
   // Alg. 1 fills every free slot; a replica that saves nothing still costs its transfers (hecate.h).
@@ -217,7 +217,7 @@ Calibration cheapest_materialization(const LayerPlacement& base, const std::vect
     LayerPlacement fewer = best.placement;
     std::erase(fewer.replicas[e], r);
     Calibration c = price_against(base, before, fewer, counts, nodes, model);
-    if (c.gather && c.saved_seconds - c.gather_seconds >= best.saved_seconds - best.gather_seconds) best = std::move(c);
+    if (c.gather && net(c) >= net(best)) best = std::move(c);
   }
   return best;
 }
