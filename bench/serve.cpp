@@ -420,9 +420,10 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
               "experts' computation, the token exchange (layout, both all-to-alls, combine: waiting for a busier rank "
               "shows here), the gate (router and its statistics exchange), the schedule's own work (Lina's estimate, "
               "plans, placements, waits for weight gathers) and the rest (attention, dense layers, norms, logits); "
-              "experts busiest / mean rank: every rank's expert time per forward (sent with its logits), the busiest "
-              "rank's and the mean; time imbalance: their ratio, what the step waits for (rows cost unequally: "
-              "imbalance above counts rows)");
+              "experts busiest / mean rank: every rank's expert time in each MoE layer (sent with its logits), the "
+              "slowest rank's at each layer summed over the forward's layers, and the ranks' mean likewise; time "
+              "imbalance: their ratio, what the step waits for (each layer's exchange waits for its slowest rank; rows "
+              "cost unequally: imbalance above counts rows)");
   report.note("ideal: ep with a perfectly balanced gate (every expert the same load; its text is meaningless), the "
               "reference the other schedules are normalised by, as in the Lina paper");
   report.note(std::getenv("MOE_BENCH_CHECKPOINT") && *std::getenv("MOE_BENCH_CHECKPOINT")

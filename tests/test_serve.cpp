@@ -17,6 +17,7 @@
 #include "model/model.h"
 #include "serve/engine.h"
 #include "serve/job.h"
+#include "serve/lockstep.h"
 #include "serve/profile.h"
 #include "serve/sampler.h"
 #include "serve/server.h"
@@ -185,6 +186,15 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
       std::vector<float> out(B * V);
       engine.forward(rows, out.data());
       all.insert(all.end(), out.begin(), out.end());
+      // The forward's expert time block by block, what each block's exchange waits for across ranks.
+      const std::vector<double>& blocks = engine.last_block_expert_seconds();
+      EXPECT_EQ(static_cast<int64_t>(blocks.size()), engine.moe_blocks());
+      double sum = 0;
+      for (double s : blocks) {
+        EXPECT_GT(s, 0);
+        sum += s;
+      }
+      EXPECT_NEAR(sum, engine.last_stage_seconds().experts, 1e-12);
     }
     if (stats) *stats = engine.schedule_stats();
     if (stages) *stages = engine.stage_seconds();
@@ -293,6 +303,21 @@ TEST(Engine, ServingCountersStartAfterTheProfile) {
   e.forward(rows, logits.data());
   EXPECT_EQ(e.stage_seconds().forwards, 1);
   EXPECT_EQ(assignments(), e.moe_blocks() * cfg.top_k);  // the one row's top-k at each MoE block
+}
+
+// What a step waits for: each MoE block's exchange waits for that block's slowest rank, and the
+// slowest rank changes from block to block, so the sum of per-block maxima exceeds the busiest rank's
+// total (a schedule that evens each block shortens the step though every rank's total stays equal).
+TEST(Lockstep, ExpertTimeOverRanksSumsEachBlocksSlowestRank) {
+  const std::vector<float> seconds{3, 1, 2,   // rank 0's three blocks
+                                   1, 3, 2};  // rank 1's
+  const moe::serve::BlockTimes t = moe::serve::expert_time_over_ranks(seconds, 2);
+  EXPECT_DOUBLE_EQ(t.busiest, 3 + 3 + 2);  // each rank's total is 6
+  EXPECT_DOUBLE_EQ(t.mean, 6);
+  EXPECT_DOUBLE_EQ(moe::serve::expert_time_over_ranks(seconds, 1).busiest, 12);  // one rank: its total
+  EXPECT_DOUBLE_EQ(moe::serve::expert_time_over_ranks({}, 2).busiest, 0);        // no MoE block
+  EXPECT_THROW(moe::serve::expert_time_over_ranks(seconds, 4), std::logic_error);
+  EXPECT_THROW(moe::serve::expert_time_over_ranks(seconds, 0), std::logic_error);
 }
 
 TEST(Engine, RejectsRowsOutOfRange) {

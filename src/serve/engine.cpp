@@ -352,6 +352,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
 
   const Clock::time_point start = Clock::now();
   last_stages_ = {};
+  block_experts_.assign(n_moe_, 0.0);
   // x[n] = wte[token] + wpe[pos]
   for (int64_t n = 0; n < N; ++n) {
     const float* te = wte_->value.data() + static_cast<int64_t>(rows[n].token) * C;
@@ -386,6 +387,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
     }
     // x = h + ffn(norm2(h)); the MoE layer is collective over the ranks, rows or not
     if (b.moe) {
+      const double experts_before = last_stages_.experts;
       if (world_) {
         scheduled_moe(l, m, N, &phase1);
       } else {
@@ -393,6 +395,7 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
         const MoeLayer::ForwardSeconds s = b.moe->take_forward_seconds();
         last_stages_.gate += s.gate, last_stages_.exchange += s.exchange, last_stages_.experts += s.experts;
       }
+      block_experts_[m] = last_stages_.experts - experts_before;
       if (b.moe->expert_parallel()) count_rank_rows(world_ ? exchange_ : b.moe->forward_exchange());
       const Routing& r = b.moe->routing();
       for (int64_t a = 0; a < N * r.K; ++a) ++loads_[l][r.expert[a]];

@@ -144,6 +144,9 @@ class InferenceEngine {
   const StageSeconds& stage_seconds() const { return stages_; }
   // The same for the last forward() alone.
   const StageSeconds& last_stage_seconds() const { return last_stages_; }
+  // The last forward()'s expert GEMM seconds in each MoE block ([moe_blocks()]; they sum to
+  // last_stage_seconds().experts): every rank waits at each block's exchange for the slowest one.
+  const std::vector<double>& last_block_expert_seconds() const { return block_experts_; }
   // The last forward's routing of its rows: [N][Lm*K] every row's top-k experts at each MoE block
   // (block order, then choice order). For profiling.
   const std::vector<int32_t>& last_routes() const { return routes_; }
@@ -206,6 +209,7 @@ class InferenceEngine {
   std::vector<double> foregone_before_phase1_;
   ScheduleStats stats_;
   StageSeconds stages_, last_stages_;
+  std::vector<double> block_experts_;  // [n_moe_]: last_block_expert_seconds()
   TokenExchange exchange_;
 };
 

@@ -1,7 +1,6 @@
 #include "serve/lockstep.h"
 
 #include <algorithm>
-#include <numeric>
 #include <stdexcept>
 
 namespace moe::serve {
@@ -11,10 +10,25 @@ namespace {
 // The broadcast plan: [kind, n, then n x (rank, slot, pos, token, logits)].
 enum Kind : int64_t { kStep = 1, kFinish = 2 };
 constexpr int64_t kFields = 5;
-// Each rank's logits are followed by its forward's expert seconds.
-constexpr int64_t kTimes = 1;
 
 }  // namespace
+
+BlockTimes expert_time_over_ranks(std::span<const float> seconds, int ranks) {
+  if (ranks < 1 || seconds.size() % static_cast<size_t>(ranks) != 0)
+    throw std::logic_error("expert_time_over_ranks: REQUIRES seconds [ranks][blocks]");
+  const size_t L = seconds.size() / static_cast<size_t>(ranks);
+  BlockTimes t;
+  for (size_t l = 0; l < L; ++l) {
+    double most = 0, sum = 0;
+    for (size_t r = 0; r < static_cast<size_t>(ranks); ++r) {
+      most = std::max(most, static_cast<double>(seconds[r * L + l]));
+      sum += seconds[r * L + l];
+    }
+    t.busiest += most;
+    t.mean += sum / ranks;
+  }
+  return t;
+}
 
 void Sequence::add_rows(int rank, int slot, std::vector<PlacedRow>* out) const {
   const int64_t n = static_cast<int64_t>(tokens.size());
@@ -42,8 +56,9 @@ Lockstep::Lockstep(InferenceEngine& engine, comm::Communicator* world) : engine_
 }
 
 void Lockstep::add_times(std::span<const float> expert_seconds) {
-  times_.busiest_experts += *std::max_element(expert_seconds.begin(), expert_seconds.end());
-  times_.mean_experts += std::accumulate(expert_seconds.begin(), expert_seconds.end(), 0.0) / size_;
+  const BlockTimes t = expert_time_over_ranks(expert_seconds, size_);
+  times_.busiest_experts += t.busiest;
+  times_.mean_experts += t.mean;
 }
 
 Status Lockstep::step(const std::vector<PlacedRow>& rows, std::vector<float>* logits) {
@@ -99,24 +114,27 @@ Status Lockstep::run(const std::vector<PlacedRow>& rows, std::vector<float>* log
   }
   my_logits_.resize(logit_rows[rank_] * V);
   engine_.forward(mine_, my_logits_.data());
-  const float expert_seconds = static_cast<float>(engine_.last_stage_seconds().experts);
+  // Each rank's logits are followed by its expert seconds in each MoE block.
+  const std::vector<double>& blocks = engine_.last_block_expert_seconds();
+  const int64_t L = static_cast<int64_t>(blocks.size());
+  const std::vector<float> expert_seconds(blocks.begin(), blocks.end());
   if (!world_) {
     if (logits) *logits = my_logits_;
-    add_times({&expert_seconds, 1});
+    add_times(expert_seconds);
     return Status::ok();
   }
-  my_logits_.push_back(expert_seconds);
+  my_logits_.insert(my_logits_.end(), expert_seconds.begin(), expert_seconds.end());
   std::vector<int64_t> counts(size_), displs(size_);
   int64_t total = 0;
-  for (int r = 0; r < size_; ++r) counts[r] = logit_rows[r] * V + kTimes, displs[r] = total, total += counts[r];
+  for (int r = 0; r < size_; ++r) counts[r] = logit_rows[r] * V + L, displs[r] = total, total += counts[r];
   std::vector<float> gathered(total);
   if (Status s = world_->allgatherv(my_logits_.data(), counts[rank_], gathered.data(), counts, displs); !s) return s;
   if (!logits) return Status::ok();
-  std::vector<float> step(size_);
-  for (int r = 0; r < size_; ++r) step[r] = gathered[displs[r] + logit_rows[r] * V];
+  std::vector<float> step(size_ * L);  // [R][L]
+  for (int r = 0; r < size_; ++r) std::copy_n(gathered.data() + displs[r] + logit_rows[r] * V, L, step.data() + r * L);
   add_times(step);
   // Row order: the i-th logit row of rank r is at displs[r] + i * V.
-  logits->resize(total - size_ * kTimes);
+  logits->resize(total - size_ * L);
   std::vector<int64_t> next(size_, 0);
   int64_t out = 0;
   for (const PlacedRow& p : rows) {

@@ -35,6 +35,15 @@ struct Sequence {
   bool push(int32_t token, int64_t T);
 };
 
+// One step's expert time over the ranks, from every rank's seconds in each MoE block (seconds [R][L],
+// rank-major): `busiest` sums over the blocks the slowest rank's, what the step waits for (every
+// block's exchange waits for its slowest rank, and the slowest is not the same rank at every block);
+// `mean` sums the ranks' mean likewise. REQUIRES: seconds.size() a multiple of ranks >= 1.
+struct BlockTimes {
+  double busiest = 0, mean = 0;
+};
+BlockTimes expert_time_over_ranks(std::span<const float> seconds, int ranks);
+
 // Thread safety: none; the thread that runs the engine calls it (it owns `world`).
 class Lockstep {
  public:
@@ -54,10 +63,10 @@ class Lockstep {
   // Followers: run the lead's steps until finish(). REQUIRES: !lead().
   Status follow();
 
-  // Lead: the expert time of the busiest rank and of the ranks' mean, summed over the steps (each
-  // rank's own clock, sent with its logits): busiest / mean is the imbalance in time that a schedule
-  // leaves (rows cost unequally: a decode step's expert time is mostly fixed per expert, whatever
-  // the rows).
+  // Lead: the expert time of the busiest rank and of the ranks' mean, summed over the steps
+  // (expert_time_over_ranks of each; every rank's own clock, sent with its logits): busiest / mean is
+  // the imbalance in time that a schedule leaves (rows cost unequally: a decode step's expert time is
+  // mostly fixed per expert, whatever the rows).
   struct RankTimes {
     double busiest_experts = 0, mean_experts = 0;
   };
@@ -65,7 +74,7 @@ class Lockstep {
 
  private:
   Status run(const std::vector<PlacedRow>& rows, std::vector<float>* logits);
-  void add_times(std::span<const float> expert_seconds);  // one step's, every rank's
+  void add_times(std::span<const float> expert_seconds);  // one step's, every rank's ([R][L], rank-major)
 
   InferenceEngine& engine_;
   comm::Communicator* world_;

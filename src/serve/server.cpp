@@ -140,8 +140,8 @@ class Metrics {
          "... in the schedule's own work: Lina's estimate, plans, placements, waits for weight gathers.",
          stages_.schedule);
     line("moe_expert_seconds_busiest_rank_total", "counter",
-         "Expert computation of the rank with the most in each forward, summed (over the mean's: the imbalance "
-         "in time).",
+         "Expert computation of the slowest rank in each MoE layer forward, summed (over the mean's: the imbalance "
+         "in time each layer's exchange waits for).",
          busiest_expert_s_);
     line("moe_expert_seconds_mean_rank_total", "counter", "Expert computation per rank on average, summed likewise.",
          mean_expert_s_);
