@@ -103,21 +103,27 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* g
 
 // ---- softmax / top-k -----------------------------------------------------------------------------
 
+namespace {
+// y[0..D) = softmax(x[0..D)) with std::exp and a double sum (the router's and the loss's; attention's
+// softmax_row below trades that for speed). Returns log sum_d exp(x[d]), exact in double even where
+// y underflows.
+double softmax_row_exact(float* y, const float* x, int64_t D) {
+  float mx = -INFINITY;
+  for (int64_t d = 0; d < D; ++d) mx = std::max(mx, x[d]);
+  double sum = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    y[d] = std::exp(x[d] - mx);
+    sum += y[d];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t d = 0; d < D; ++d) y[d] *= inv;
+  return std::log(sum) + mx;
+}
+}  // namespace
+
 void softmax_forward(float* out, const float* inp, int64_t N, int64_t D) {
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* x = inp + n * D;
-    float* y = out + n * D;
-    float mx = -INFINITY;
-    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, x[d]);
-    double sum = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      y[d] = std::exp(x[d] - mx);
-      sum += y[d];
-    }
-    float inv = static_cast<float>(1.0 / sum);
-    for (int64_t d = 0; d < D; ++d) y[d] *= inv;
-  }
+  for (int64_t n = 0; n < N; ++n) softmax_row_exact(out + n * D, inp + n * D, D);
 }
 
 void softmax_backward(float* dinp, const float* dout, const float* out, int64_t N, int64_t D) {
@@ -395,18 +401,8 @@ double cross_entropy_forward(float* probs, const float* logits, const int32_t* t
 #pragma omp parallel for reduction(+ : total) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* x = logits + n * V;
-    float* p = probs + n * V;
-    float mx = -INFINITY;
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[v]);
-    double sum = 0;
-    for (int64_t v = 0; v < V; ++v) {
-      p[v] = std::exp(x[v] - mx);
-      sum += p[v];
-    }
-    float inv = static_cast<float>(1.0 / sum);
-    for (int64_t v = 0; v < V; ++v) p[v] *= inv;
-    // -log softmax[target] = logsumexp - logit[target], exact in double even when p underflows
-    total += std::log(sum) + mx - x[targets[n]];
+    // -log softmax[target] = logsumexp - logit[target]
+    total += softmax_row_exact(probs + n * V, x, V) - x[targets[n]];
   }
   return total / static_cast<double>(N);
 }
