@@ -177,6 +177,23 @@ TEST(Placement, BusiestLoadPricesRanksSharingCoresByTheirPool) {
   EXPECT_THROW(busiest_load(std::vector<double>{1, 1, 1, 1}, CorePools{{0, 0, 1, 1}, {1, 0}}), std::logic_error);
 }
 
+// Ranks behind one NIC (nic_pools): rows moved between them save no network time.
+TEST(Placement, NicPoolsGroupTheRanksOfEachNic) {
+  const CorePools hosts = nic_pools({0, 0, 1, 1});
+  EXPECT_EQ(hosts.pool_of_rank, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(hosts.ranks_at_once, (std::vector<double>{1, 1}));
+  // Host 0's NIC carries 3 + 1 rows, each rank having measured its rate at half the NIC's.
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{3, 1, 1, 1}, hosts), 2);
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{2, 2, 1, 1}, hosts), 2);    // to the host-mate
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{2, 1, 2, 1}, hosts), 1.5);  // to the other host
+  const CorePools ids = nic_pools({7, 3, 7});  // pools numbered in the order of their first rank
+  EXPECT_EQ(ids.pool_of_rank, (std::vector<int>{0, 1, 0}));
+  EXPECT_DOUBLE_EQ(busiest_load(std::vector<double>{1, 5, 2}, ids), 5);  // a NIC of its own: its rows
+  EXPECT_TRUE(nic_pools({0, 1, 2, 3}).empty());  // a NIC per rank: as without pools
+  EXPECT_TRUE(nic_pools({}).empty());
+  EXPECT_THROW(nic_pools({0, -1}), std::logic_error);
+}
+
 TEST(Dispatch, KeepsTokensLocalWhenTheSourceHoldsAReplica) {
   LayerPlacement p = even_placement(4, 4);  // expert e on rank e
   p.replicas[0] = {0, 1, 2, 3};
@@ -711,6 +728,16 @@ TEST(Hecate, PricingAPlannedPlacementKeepsItOnlyWhenItPays) {
   EXPECT_EQ(c.remote_after, 10);
   EXPECT_DOUBLE_EQ(c.saved_seconds, 0.28 + 0.19);
   EXPECT_TRUE(c.gather);
+  // The same nodes with one NIC each: node 0's NIC carried rank 0's 200 rows and rank 1's 10 (105 at
+  // each rank's share of it), and with the copies rank 1's 10 (5); node 1's 20 and 20 (10): 0.095 s
+  // saved, and the two transfers (0.4 s) no longer pay against 0.375 s.
+  CalibrationModel shared_nics{1e-3, 5e3, 1000, 2, 1e-3};
+  shared_nics.nics = nic_pools({0, 0, 1, 1});
+  c = price_placement(owners, hot_everywhere, skewed, uniform_nodes(4, 2), shared_nics);
+  EXPECT_DOUBLE_EQ(c.remote_before, 105);
+  EXPECT_DOUBLE_EQ(c.remote_after, 10);
+  EXPECT_DOUBLE_EQ(c.saved_seconds, 0.28 + 0.095);
+  EXPECT_FALSE(c.gather);
   EXPECT_THROW(price_placement(owners, hot_everywhere, skewed, nodes, CalibrationModel{1e-3, 5e3, 1000, 2, -1}),
                std::logic_error);
   EXPECT_THROW(price_placement(owners, even_placement(8, 4), skewed, nodes, CalibrationModel{1e-3, 1e5, 1000}),
@@ -1120,6 +1147,27 @@ TEST(SmartMoe, ASwapBetweenRanksSharingACoreSavesOnlyTheirExchanges) {
   const SmartMoePlan exchanges = smartmoe_plan({0, 0, 1, 1}, 2, {40, 30, 20, 10}, 10, cfg);
   EXPECT_TRUE(exchanges.adopted);
   EXPECT_DOUBLE_EQ(exchanges.saved_seconds, 0.2);  // (70 - 50) rows x 1 ms x 10 steps
+}
+
+// 2 hosts of one core and one NIC, 2 ranks each: evening the ranks of a host changes neither its core's
+// work nor its NIC's rows, so the swap saves nothing; evening the hosts does.
+TEST(SmartMoe, ASwapWithinAHostSavesNothingWhereItsRanksShareACoreAndANic) {
+  SmartMoeConfig cfg;
+  cfg.expert_seconds_per_token = 1e-3, cfg.expert_state_bytes = 3'000'000, cfg.bandwidth = 100e6;
+  cfg.exchange_seconds_per_token = 1e-3;
+  cfg.cores = CorePools{{0, 0, 1, 1}, {1, 1}};
+  const std::vector<int> owner{0, 0, 1, 1, 2, 2, 3, 3};
+  const std::vector<double> host_mates{40, 30, 1, 1, 20, 20, 20, 20};  // rank 0 hot, host 0 = host 1
+  EXPECT_TRUE(smartmoe_plan(owner, 4, host_mates, 10, cfg).adopted);  // each rank its own NIC
+  cfg.nics = nic_pools({0, 0, 1, 1});
+  const SmartMoePlan within = smartmoe_plan(owner, 4, host_mates, 10, cfg);
+  EXPECT_TRUE(within.evaluated);
+  EXPECT_FALSE(within.adopted);
+  EXPECT_DOUBLE_EQ(within.saved_seconds, 0);
+  const std::vector<double> hosts{40, 30, 20, 10, 5, 5, 5, 5};  // host 0 has 100 rows, host 1 20
+  const SmartMoePlan across = smartmoe_plan(owner, 4, hosts, 10, cfg);
+  EXPECT_TRUE(across.adopted);
+  EXPECT_GT(across.saved_seconds, across.move_seconds);
 }
 
 TEST(SmartMoe, ReducesTheMaxRankLoadOnZipfAndNeverIncreasesIt) {

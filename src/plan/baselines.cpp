@@ -281,8 +281,9 @@ SmartMoePlan smartmoe_plan(const std::vector<int>& owner, int n_ranks, const std
     const int most = *std::max_element(received.begin(), received.end());
     const double compute = (busiest_load(before, cfg.cores) - busiest_load(acc, cfg.cores)) *
                            cfg.expert_seconds_per_token;
-    plan.saved_seconds =
-        (compute + (plan.max_load_before - after) * cfg.exchange_seconds_per_token) * cfg.interval;
+    const double exchange = (busiest_load(before, cfg.nics) - busiest_load(acc, cfg.nics)) *
+                            cfg.exchange_seconds_per_token;
+    plan.saved_seconds = (compute + exchange) * cfg.interval;
     plan.move_seconds = most * static_cast<double>(cfg.expert_state_bytes) / cfg.bandwidth;
     if (!(plan.saved_seconds > plan.move_seconds)) return plan;
   }

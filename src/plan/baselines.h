@@ -169,14 +169,17 @@ struct SmartMoeConfig {
   // Cost model (all 0: unpriced, the paper's rule; else all > 0 and finite but
   // exchange_seconds_per_token, >= 0): adopted only when
   //   ((busiest_load before - after) * expert_seconds_per_token
-  //    + (max rank load before - after) * exchange_seconds_per_token) * interval
+  //    + (busiest_nic load before - after) * exchange_seconds_per_token) * interval
   //       > (most experts one rank receives) * expert_state_bytes / bandwidth
-  // busiest_load (plan/placement.h) over `cores`, the max rank load where ranks share no cores.
+  // busiest_load (plan/placement.h) over `cores`, the max rank load where ranks share no cores;
+  // busiest_nic load: busiest_load over `nics`, the max rank load where every rank has a NIC of its own
+  // (or all share one node).
   double expert_seconds_per_token = 0;    // one token through one expert, forward + backward
   double exchange_seconds_per_token = 0;  // one routed token's rows through the exchanges, on average
   int64_t expert_state_bytes = 0;         // one expert's parameters + optimizer state
   double bandwidth = 0;                   // bytes/s a rank receives at
   CorePools cores{};                      // ranks that take turns on shared CPU cores (empty: none)
+  CorePools nics{};                       // ranks that cross the network through one NIC (nic_pools)
 };
 
 struct SmartMoePlan {

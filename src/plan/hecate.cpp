@@ -63,39 +63,35 @@ int place_replicas(LayerPlacement& p, int expert, int n, std::vector<int>& free,
 
 int saturate(double x) { return x >= static_cast<double>(INT_MAX) ? INT_MAX : static_cast<int>(x); }
 
-// The busiest rank's tokens under p (busiest_load over the ranks that share cores), and the most any
-// rank receives over the slowest link class the ranks span: from ranks of other nodes, or from the
-// other ranks when all share one node.
+// The busiest rank's tokens under p (busiest_load over the ranks that share cores), and the busiest
+// receiver's rows over the slowest link class the ranks span (busiest_load over the ranks that share
+// a NIC): from ranks of other nodes, or from the other ranks when all share one node.
 struct RankLoad {
   double busiest = 0;  // busiest_load over the core pools
-  int64_t remote = 0;
+  double remote = 0;   // busiest_load over the NIC pools
 };
 RankLoad rank_load(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts,
-                   const CorePools& cores) {
+                   const CorePools& cores, const CorePools& nics) {
   const auto rows = dispatch_plan(p, nodes, counts);
   const std::vector<int64_t> received = received_tokens(rows);
   const std::vector<int> group = slowest_link_groups(nodes);
-  RankLoad l;
-  for (int d = 0; d < p.n_ranks; ++d) {
-    int64_t slow = 0;  // rows d receives over the slowest link class
+  std::vector<int64_t> slow(p.n_ranks, 0);  // rows each rank receives over the slowest link class
+  for (int d = 0; d < p.n_ranks; ++d)
     for (int s = 0; s < p.n_ranks; ++s) {
       if (group[s] == group[d]) continue;
-      for (int e = 0; e < p.n_experts(); ++e) slow += rows[s][e][d];
+      for (int e = 0; e < p.n_experts(); ++e) slow[d] += rows[s][e][d];
     }
-    l.remote = std::max(l.remote, slow);
-  }
-  l.busiest = busiest_load(received, cores);
-  return l;
+  return {busiest_load(received, cores), busiest_load(slow, nics)};
 }
 
 // price_placement's price of calibrated, in_force's load already known. REQUIRES: those of
-// price_placement, before == rank_load(in_force, nodes, counts, model.cores).
+// price_placement, before == rank_load(in_force, nodes, counts, model.cores, model.nics).
 Calibration price_against(const LayerPlacement& in_force, RankLoad before, const LayerPlacement& calibrated,
                           const std::vector<std::vector<int64_t>>& counts, const Nodes& nodes,
                           const CalibrationModel& model) {
   Calibration c;
   c.busiest_before = before.busiest, c.remote_before = before.remote;
-  const RankLoad after = rank_load(calibrated, nodes, counts, model.cores);
+  const RankLoad after = rank_load(calibrated, nodes, counts, model.cores, model.nics);
   c.busiest_after = after.busiest, c.remote_after = after.remote;
   std::vector<int64_t> gained(in_force.n_ranks, 0);
   for (int e = 0; e < in_force.n_experts(); ++e)
@@ -103,7 +99,7 @@ Calibration price_against(const LayerPlacement& in_force, RankLoad before, const
       if (!in_force.holds(r, e)) ++gained[r];
   c.gather_bytes = *std::max_element(gained.begin(), gained.end()) * model.expert_bytes;
   c.saved_seconds = (c.busiest_before - c.busiest_after) * model.expert_seconds_per_token +
-                    static_cast<double>(c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
+                    (c.remote_before - c.remote_after) * model.exchange_seconds_per_token;
   c.gather_seconds = model.transfers_per_replica * static_cast<double>(c.gather_bytes) / model.bandwidth;
   c.gather = c.saved_seconds > c.gather_seconds;
   c.placement = c.gather ? calibrated : in_force;
@@ -236,7 +232,7 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
       model.transfers_per_replica < 1 || !std::isfinite(model.exchange_seconds_per_token) ||
       model.exchange_seconds_per_token < 0)
     violated(kWhere, "CalibrationModel fields must be positive and finite");
-  return price_against(in_force, rank_load(in_force, nodes, counts, model.cores), calibrated, counts, nodes, model);
+  return price_against(in_force, rank_load(in_force, nodes, counts, model.cores, model.nics), calibrated, counts, nodes, model);
 }
 
 std::vector<std::vector<int64_t>> even_counts(const std::vector<double>& load, int R) {

@@ -79,6 +79,9 @@ struct CalibrationModel {
   // Ranks that take turns on shared CPU cores: their expert work is priced by busiest_load
   // (plan/placement.h). Empty: each rank computes on its own.
   CorePools cores{};
+  // Ranks that cross the network through one NIC (nic_pools): the rows over the slowest link class
+  // are priced by busiest_load over them. Empty: each rank has a link of its own.
+  CorePools nics{};
 };
 
 // Whether the calibration's extra SparseAllGather pays, and the placement to dispatch over.
@@ -87,8 +90,8 @@ struct Calibration {
   LayerPlacement placement;    // the calibrated placement when gather, else the one in force
   double busiest_before = 0;   // busiest_load of the ranks' tokens under the placement in force
   double busiest_after = 0;    // ... under the calibrated placement (computed in both cases)
-  int64_t remote_before = 0;   // rows the rank receiving the most over the slowest link receives, in force
-  int64_t remote_after = 0;    // ... calibrated
+  double remote_before = 0;    // rows the busiest receiver over the slowest link receives (NIC pools), in force
+  double remote_after = 0;     // ... calibrated
   int64_t gather_bytes = 0;    // bytes received by the rank receiving the most in the extra gather
   double saved_seconds = 0;    // (busiest_before - busiest_after) * expert_seconds_per_token
                                //   + (remote_before - remote_after) * exchange_seconds_per_token
@@ -108,9 +111,10 @@ struct Calibration {
 // (the paper re-runs Alg. 1 without saying with which t). Cost model:
 //   busiest(P)      = busiest_load (plan/placement.h) over model.cores of the tokens dispatch_plan(P,
 //                     nodes, counts) sends to each rank: the busiest rank's where ranks share no cores
-//   remote(P)       = max over ranks d of the tokens it receives over the slowest link class the ranks
-//                     span: from ranks of other nodes (rows within a node cross no NIC), or from the
-//                     other ranks when all share one node
+//   remote(P)       = busiest_load over model.nics of the tokens each rank d receives over the slowest
+//                     link class the ranks span: from ranks of other nodes (rows within a node cross no
+//                     NIC), or from the other ranks when all share one node; the busiest rank's where
+//                     each rank has a NIC of its own, the busiest NIC's total where ranks share one
 //   saved_seconds   = (busiest(in force) - busiest(calibrated)) * expert_seconds_per_token
 //                     + (remote(in force) - remote(calibrated)) * exchange_seconds_per_token
 //   gather_seconds  = transfers_per_replica * max over ranks of (experts it newly holds) * expert_bytes

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "plan/detail.h"
@@ -226,6 +227,21 @@ double busiest_load(const std::vector<double>& load, const CorePools& pools) {
 
 double busiest_load(const std::vector<int64_t>& load, const CorePools& pools) {
   return busiest_load(std::vector<double>(load.begin(), load.end()), pools);
+}
+
+CorePools nic_pools(const std::vector<int>& nic_of_rank) {
+  CorePools pools;
+  std::map<int, int> pool_of_nic;
+  bool shared = false;
+  for (int nic : nic_of_rank) {
+    if (nic < 0) violated("nic_pools", "NIC ids must be >= 0");
+    const auto [it, added] = pool_of_nic.emplace(nic, static_cast<int>(pool_of_nic.size()));
+    shared = shared || !added;
+    pools.pool_of_rank.push_back(it->second);
+  }
+  if (!shared) return {};
+  pools.ranks_at_once.assign(pool_of_nic.size(), 1.0);
+  return pools;
 }
 
 }  // namespace moe::plan

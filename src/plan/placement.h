@@ -109,6 +109,13 @@ struct CorePools {
 double busiest_load(const std::vector<double>& load, const CorePools& pools);
 double busiest_load(const std::vector<int64_t>& load, const CorePools& pools);
 
+// Ranks that cross the network through one NIC, as pools for busiest_load: a pool per NIC id, each
+// running one rank's rows at once. A NIC carries a lone rank's rows at its full rate and several
+// ranks' side by side at their share, which is the rate the links are measured at (every rank
+// sending at once), so it finishes with its ranks' total: rows moved between two ranks behind one NIC
+// save no network time. nic_of_rank [R]: ids >= 0. Empty where no NIC serves two ranks.
+CorePools nic_pools(const std::vector<int>& nic_of_rank);
+
 // An expert shard (parameters + optimizer state) that changes owner: what the runtime moves when a
 // planner re-shards (Hecate Alg. 2, SmartMoE).
 struct ExpertMove {

@@ -25,6 +25,9 @@ strategy::Setup Strategy::setup(const plan::Nodes& nodes) const {
   s.world = static_cast<int>(nodes.node_of_rank.size());
   s.nodes = nodes;
   s.cores = cores_;
+  // One NIC a host: the emulated cluster's, and what the runtime can see (a node with a NIC per GPU
+  // would need its NIC map).
+  if (nodes.n_nodes() > 1) s.nics = plan::nic_pools(nodes.node_of_rank);
   s.options.rematerialize = cfg_.rematerialize;
   s.options.replica_slots = static_cast<int>(cfg_.replica_slots);
   s.options.replica_memory_bytes = static_cast<int64_t>(cfg_.replica_memory_mb * (1 << 20));

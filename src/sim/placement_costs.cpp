@@ -315,6 +315,7 @@ Status make_placement_strategy(const std::string& name, const StrategySetup& s, 
   setup.world = s.ranks;
   setup.nodes.node_of_rank = s.node_of_rank;
   setup.cores = s.cores;
+  setup.nics = s.nics;
   setup.options.rematerialize = s.placement.rematerialize;
   setup.options.replica_slots = s.placement.replica_slots;
   setup.options.load_window = s.placement.load_window;

@@ -107,6 +107,14 @@ plan::CorePools sim_core_pools(const ClusterSpec& cluster, const std::vector<int
   return runtime::core_pools(cpus, std::vector<int>(node_of_rank.size(), cluster.cpu_threads_per_device));
 }
 
+plan::CorePools sim_nic_pools(const Cluster& cluster, int ranks) {
+  if (cluster.n_nodes() < 2) return {};
+  const int nics = static_cast<int>(cluster.spec().node.nic_switch.size());
+  std::vector<int> nic_of_rank;
+  for (int r = 0; r < ranks; ++r) nic_of_rank.push_back(cluster.node_of(r) * nics + cluster.nic_of(r));
+  return plan::nic_pools(nic_of_rank);
+}
+
 Status simulate(SimRunConfig cfg, SimRunResult* out) {
   const auto wall0 = std::chrono::steady_clock::now();
   if (Status s = resolve(&cfg); !s) return s;
@@ -129,6 +137,7 @@ Status simulate(SimRunConfig cfg, SimRunResult* out) {
   cluster_links(cluster, &setup.intra_node, &setup.inter_node);
   setup.cpu_ranks = cfg.cluster.cpu_cores > 0;
   setup.cores = sim_core_pools(cfg.cluster, setup.node_of_rank);
+  setup.nics = sim_nic_pools(cluster, R);
   std::unique_ptr<SimStrategy> strategy;
   try {
     if (Status s = sim_strategies().at(cfg.strategy).make(setup, &strategy); !s) return s;

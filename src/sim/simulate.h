@@ -65,12 +65,17 @@ struct StrategySetup {
   strategy::LinkCost intra_node, inter_node;
   bool cpu_ranks = false;  // the cluster's devices are CPU processes sharing cores (ClusterSpec::cpu_cores > 0)
   plan::CorePools cores{};  // of those, the ranks that take turns on the same cores (sim_core_pools)
+  plan::CorePools nics{};   // the ranks that cross the network through one NIC (sim_nic_pools)
 };
 
 // The ranks of a calibrated CPU cluster (cpu_cores > 0) that take turns on the same cores, as
 // runtime::core_pools finds them on the machine: each node's on its cpu_cores / nodes cores when
 // cpu_nodes_pinned, else all on all of them; empty for device clusters. node_of_rank [ranks].
 plan::CorePools sim_core_pools(const ClusterSpec& cluster, const std::vector<int>& node_of_rank);
+
+// The ranks (rank r on device r) that send and receive between nodes through one NIC
+// (Cluster::nic_of), as plan::nic_pools groups them; empty on one node.
+plan::CorePools sim_nic_pools(const Cluster& cluster, int ranks);
 
 // What a placement strategy decided in the last step (zeros for EP).
 struct PlacementStats {

@@ -89,7 +89,8 @@ class Hecate : public Strategy {
     const int transfers = s_.cost.transfers_take_compute ? replica_transfers_per_step(s_.options.rematerialize) : 1;
     const double exchange =
         s_.cost.network_bandwidth > 0 ? row_exchange_bytes(s_.model) / s_.cost.network_bandwidth : 0;
-    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers, exchange, s_.cores};
+    return {s_.cost.expert_seconds_per_token, s_.cost.bandwidth, s_.cost.expert_bytes, transfers, exchange,
+            s_.cores, s_.nics};
   }
 
   Setup s_;

@@ -34,6 +34,7 @@ class SmartMoe : public Strategy {
         exchange_bytes_(row_exchange_bytes(s.model) * slow_link_share(s.nodes, std::max(1, s.world))) {
     config_.interval = std::max(1, reshard_every_);
     config_.cores = s.cores;
+    config_.nics = s.nics;
     update_cost(s.cost);
   }
   // A token routed to a rank costs it the expert's compute and its 4 exchanges (dispatch and combine,

@@ -105,6 +105,9 @@ struct Setup {
   // Ranks that take turns on shared CPU cores (runtime/cpu_threads.h measures them; empty: none, as
   // on GPUs): every planner prices the busiest rank's expert work over them (plan::busiest_load).
   plan::CorePools cores{};
+  // Ranks that cross the network through one NIC (plan::nic_pools; empty: one node, or a NIC per
+  // rank): Hecate and SmartMoE price the rows over the slowest link at the busiest NIC.
+  plan::CorePools nics{};
   Options options;
   CostModel cost;
 };
