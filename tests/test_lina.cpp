@@ -125,6 +125,86 @@ TEST(LinaPlan, ExpertSecondsFollowsTheMeasuredCurve) {
   EXPECT_NEAR(a.expert_seconds(30), 30.5e-3, 1e-15);
 }
 
+// Runs timed against a known curve (a layer's experts at assorted rows, each run the curve's sum over
+// them, as serving measures a rank's experts) give that curve back; points the runs never reach keep
+// the prior's; ranks' runs summed give the curve all of them together give.
+TEST(LinaPlan, CurveFitRecoversTheCurveThatTimedTheRuns) {
+  const moe::plan::LinaCost truth{{1, 2, 4, 8, 16}, {3e-4, 3.1e-4, 3.3e-4, 4.1e-4, 5.7e-4}, 2e-4};
+  moe::plan::LinaCost prior = truth;
+  for (double& s : prior.seconds) s *= 2;  // start-up read everything twice as slow
+  auto time = [&](const std::vector<int64_t>& rows) {
+    double t = 0;
+    for (int64_t n : rows) t += truth.expert_seconds(static_cast<double>(n));
+    return t;
+  };
+  const std::vector<std::vector<int64_t>> runs = {{1, 1, 0, 2}, {3, 0, 5, 1}, {4, 4, 1, 0}, {8, 2, 0, 0},
+                                                   {6, 1, 1, 1}, {16, 0, 0, 3}, {12, 7, 2, 0}, {20, 1, 0, 0}};
+  moe::plan::LinaCurveFit fit(truth.rows), rank0(truth.rows), rank1(truth.rows);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    fit.add(runs[i], time(runs[i]));
+    (i % 2 ? rank1 : rank0).add(runs[i], time(runs[i]));
+  }
+  EXPECT_DOUBLE_EQ(fit.runs(), 8);
+  const moe::plan::LinaCost got = fit.fitted(prior, 1e-9);
+  for (size_t j = 0; j < truth.rows.size(); ++j) EXPECT_NEAR(got.seconds[j], truth.seconds[j], 1e-12) << j;
+  EXPECT_DOUBLE_EQ(got.move_seconds, prior.move_seconds);
+  // The ranks' sums added: the same fit.
+  moe::plan::LinaCurveFit both(truth.rows);
+  both.add_sums(rank0.sums());
+  both.add_sums(rank1.sums());
+  const moe::plan::LinaCost summed = both.fitted(prior, 1e-9);
+  for (size_t j = 0; j < truth.rows.size(); ++j) EXPECT_NEAR(summed.seconds[j], got.seconds[j], 1e-12) << j;
+  // Decode runs alone (1 and 2 rows) leave the points beyond them near the prior's, kept non-decreasing.
+  moe::plan::LinaCurveFit decode(truth.rows);
+  for (int i = 0; i < 200; ++i) decode.add(std::vector<int64_t>{1, 2, 1}, time({1, 2, 1}));
+  const moe::plan::LinaCost d = decode.fitted(prior, 16);
+  EXPECT_NEAR(d.seconds[0] + d.seconds[1] + d.seconds[0], time({1, 2, 1}), 0.05 * time({1, 2, 1}));
+  EXPECT_DOUBLE_EQ(d.seconds[4], prior.seconds[4]);
+  for (size_t j = 1; j < d.seconds.size(); ++j) EXPECT_GE(d.seconds[j], d.seconds[j - 1]);
+  EXPECT_NEAR(got.noise_seconds, 0, 1e-9);  // exact runs: no residual
+  // Runs of one shape timed T + d and T - d: the fit is T, the spread d.
+  moe::plan::LinaCurveFit noisy(truth.rows);
+  for (int i = 0; i < 100; ++i) noisy.add(std::vector<int64_t>{1}, 3e-4 + (i % 2 ? 5e-5 : -5e-5));
+  const moe::plan::LinaCost n = noisy.fitted(prior, 1e-9);
+  EXPECT_NEAR(n.seconds[0], 3e-4, 1e-12);
+  EXPECT_NEAR(n.noise_seconds, 5e-5, 1e-9);
+  noisy.add(std::vector<int64_t>{0, 0}, 1.0);  // no rows: not a run
+  EXPECT_DOUBLE_EQ(noisy.runs(), 100);
+  // No runs: the prior. Halving the runs and clearing.
+  EXPECT_EQ(moe::plan::LinaCurveFit(truth.rows).fitted(prior, 16).seconds, prior.seconds);
+  fit.decay(0.5);
+  EXPECT_DOUBLE_EQ(fit.runs(), 4);
+  fit.clear();
+  EXPECT_DOUBLE_EQ(fit.runs(), 0);
+  EXPECT_THROW(fit.fitted(prior, 0), std::logic_error);
+  EXPECT_THROW(fit.fitted(moe::plan::LinaCost::affine(1e-4, 1e-5, 0), 16), std::logic_error);  // other rows
+  EXPECT_THROW(fit.add_sums(std::vector<double>(3, 0.0)), std::logic_error);
+  EXPECT_THROW(moe::plan::LinaCurveFit({2, 1}), std::logic_error);
+  EXPECT_THROW(moe::plan::LinaCurveFit({}), std::logic_error);
+}
+
+// A held replica that splits a decode batch's hot expert (6 tokens) saves the busiest rank 30 us and
+// lifts the other rank level with it: with no noise the plan takes it; with ranks' times spread by
+// 200 us the expected slowest of two level ranks is longer than of one clearly busier rank (753
+// against 684 us), and the plan keeps EP's placement. A prefill's 200 tokens still split.
+TEST(LinaPlan, UnderNoiseADecodeSplitThatLevelsTheRanksIsRefused) {
+  const LayerPlacement owners = moe::plan::even_placement(4, 2);
+  LayerPlacement held = owners;
+  held.replicas[0] = {0, 1};
+  moe::plan::LinaCost cost = moe::plan::LinaCost::affine(300e-6, 10e-6, 1e-3);
+  const std::vector<double> decode{6, 1, 1, 0}, prefill{200, 1, 1, 0};
+  std::vector<double> foregone(8, 0.0);
+  EXPECT_EQ(moe::plan::lina_placement(decode, owners, &cost, &held, &foregone).replicas[0], (std::vector<int>{0, 1}));
+  EXPECT_NEAR(moe::plan::lina_busiest_seconds(owners, decode, cost), 670e-6, 1e-12);
+  cost.noise_seconds = 200e-6;
+  EXPECT_NEAR(moe::plan::lina_busiest_seconds(owners, decode, cost), 683.7e-6, 0.5e-6);
+  EXPECT_NEAR(moe::plan::lina_busiest_seconds(held, decode, cost), 752.8e-6, 0.5e-6);
+  EXPECT_EQ(moe::plan::lina_placement(decode, owners, &cost, &held, &foregone).replicas[0], (std::vector<int>{0}));
+  EXPECT_EQ(moe::plan::lina_placement(prefill, owners, &cost, &held, &foregone).replicas[0], (std::vector<int>{0, 1}));
+  // A rank with nothing to run adds no noise: one busy rank's expected time is its own.
+  EXPECT_NEAR(moe::plan::lina_busiest_seconds(owners, {6, 0, 0, 0}, cost), 360e-6, 1e-9);
+}
+
 // Where the kernel's time is nearly flat over a decode batch's rows (as measured on CPUs: the first
 // few rows cost about the same), splitting a hot expert's 12 tokens saves its owner 21 us (t(12) - t(6)),
 // while its new holder pays t(6) = 364 us on a load 50 us above the owner's other work (rank 0: expert

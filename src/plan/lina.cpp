@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -81,17 +82,113 @@ std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks) 
   return slots;
 }
 
-double LinaCost::expert_seconds(double tokens) const {
+LinaCost::Weights LinaCost::weights(double tokens) const {
   if (rows.empty() || rows.size() != seconds.size())
     throw std::logic_error("LinaCost::expert_seconds: REQUIRES rows and seconds of one size >= 1");
-  if (!(tokens > 0)) return 0;
+  if (!(tokens > 0)) return {};
   const size_t n = rows.size();
-  if (tokens <= rows[0]) return seconds[0] * tokens / rows[0];
+  if (tokens <= rows[0]) return {0, 0, tokens / rows[0], 0};
   const size_t hi = std::min<size_t>(n - 1, std::upper_bound(rows.begin(), rows.end(), tokens) - rows.begin());
-  if (hi == 0) return seconds[0];  // one point: flat beyond it
+  if (hi == 0) return {0, 0, 1, 0};  // one point: flat beyond it
   const size_t lo = hi - 1;
-  const double slope = (seconds[hi] - seconds[lo]) / (rows[hi] - rows[lo]);
-  return seconds[lo] + slope * (tokens - rows[lo]);
+  const double t = (tokens - rows[lo]) / (rows[hi] - rows[lo]);  // beyond the last point: > 1
+  return {lo, hi, 1 - t, t};
+}
+
+double LinaCost::expert_seconds(double tokens) const {
+  const Weights w = weights(tokens);
+  return w.w_lo * seconds[w.lo] + w.w_hi * seconds[w.hi];
+}
+
+LinaCurveFit::LinaCurveFit(std::vector<double> rows) {
+  if (rows.empty() || !(rows[0] > 0) || !std::is_sorted(rows.begin(), rows.end()) ||
+      std::adjacent_find(rows.begin(), rows.end()) != rows.end())
+    throw std::logic_error("LinaCurveFit: REQUIRES rows non-empty, ascending, rows[0] > 0");
+  const size_t G = rows.size();
+  shape_.seconds.assign(G, 0.0);
+  shape_.rows = std::move(rows);
+  gram_.assign(G * G, 0.0);
+  rhs_.assign(G, 0.0);
+}
+
+void LinaCurveFit::add(std::span<const int64_t> rows_of_each, double seconds) {
+  const size_t G = rhs_.size();
+  std::vector<double> a(G, 0.0);  // the run's time = a . curve seconds
+  bool ran = false;
+  for (int64_t n : rows_of_each) {
+    if (n <= 0) continue;
+    const LinaCost::Weights w = shape_.weights(static_cast<double>(n));
+    a[w.lo] += w.w_lo, a[w.hi] += w.w_hi;
+    ran = true;
+  }
+  if (!ran) return;
+  squares_ += seconds * seconds;
+  for (size_t i = 0; i < G; ++i) {
+    rhs_[i] += a[i] * seconds;
+    for (size_t j = 0; j < G; ++j) gram_[i * G + j] += a[i] * a[j];
+  }
+  runs_ += 1;
+}
+
+std::vector<double> LinaCurveFit::sums() const {
+  std::vector<double> s = gram_;
+  s.insert(s.end(), rhs_.begin(), rhs_.end());
+  s.push_back(squares_);
+  s.push_back(runs_);
+  return s;
+}
+
+void LinaCurveFit::clear() {
+  std::fill(gram_.begin(), gram_.end(), 0.0);
+  std::fill(rhs_.begin(), rhs_.end(), 0.0);
+  squares_ = runs_ = 0;
+}
+
+void LinaCurveFit::add_sums(std::span<const double> sums) {
+  const size_t G = rhs_.size();
+  if (sums.size() != G * G + G + 2) throw std::logic_error("LinaCurveFit::add_sums: not [G*G + G + 2]");
+  for (size_t i = 0; i < G * G; ++i) gram_[i] += sums[i];
+  for (size_t i = 0; i < G; ++i) rhs_[i] += sums[G * G + i];
+  squares_ += sums[G * G + G];
+  runs_ += sums[G * G + G + 1];
+}
+
+void LinaCurveFit::decay(double keep) {
+  for (double& x : gram_) x *= keep;
+  for (double& x : rhs_) x *= keep;
+  squares_ *= keep, runs_ *= keep;
+}
+
+LinaCost LinaCurveFit::fitted(const LinaCost& prior, double prior_weight) const {
+  const size_t G = rhs_.size();
+  if (prior.rows != shape_.rows || prior.seconds.size() != G || !(prior_weight > 0))
+    throw std::logic_error("LinaCurveFit::fitted: REQUIRES the prior's rows and prior_weight > 0");
+  // (gram + w I) x = rhs + w prior: symmetric positive definite, solved by elimination.
+  std::vector<double> a = gram_, b = rhs_;
+  for (size_t i = 0; i < G; ++i) a[i * G + i] += prior_weight, b[i] += prior_weight * prior.seconds[i];
+  for (size_t k = 0; k < G; ++k)
+    for (size_t i = k + 1; i < G; ++i) {
+      const double f = a[i * G + k] / a[k * G + k];
+      for (size_t j = k; j < G; ++j) a[i * G + j] -= f * a[k * G + j];
+      b[i] -= f * b[k];
+    }
+  std::vector<double> x(G);
+  for (size_t i = G; i-- > 0;) {
+    double s = b[i];
+    for (size_t j = i + 1; j < G; ++j) s -= a[i * G + j] * x[j];
+    x[i] = s / a[i * G + i];
+  }
+  LinaCost out = prior;
+  for (size_t i = 0; i < G; ++i) out.seconds[i] = std::max(x[i], i > 0 ? out.seconds[i - 1] : prior.seconds[0] * 1e-3);
+  if (runs_ > 0) {  // residual sum of squares of x: sum t^2 - 2 x.rhs + x.gram.x
+    double rss = squares_;
+    for (size_t i = 0; i < G; ++i) {
+      rss -= 2 * x[i] * rhs_[i];
+      for (size_t j = 0; j < G; ++j) rss += x[i] * gram_[i * G + j] * x[j];
+    }
+    out.noise_seconds = std::sqrt(std::max(0.0, rss) / runs_);
+  }
+  return out;
 }
 
 LinaCost LinaCost::affine(double fixed_seconds, double token_seconds, double move_seconds) {
@@ -110,7 +207,26 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
                                   std::min(popularity[e], 1.0));
     for (int r : p.replicas[e]) rank[r] += cost.expert_seconds(share);
   }
-  return *std::max_element(rank.begin(), rank.end());
+  if (!(cost.noise_seconds > 0)) return *std::max_element(rank.begin(), rank.end());
+  // Clark (1961): the first two moments of max(X, Y) for independent normal X, Y, the running maximum
+  // taken as normal again, over the ranks that run an expert (the others take no time).
+  const double v = cost.noise_seconds * cost.noise_seconds;
+  double mean = 0, var = -1;  // var < 0: no rank folded in yet
+  for (double t : rank) {
+    if (!(t > 0)) continue;
+    if (var < 0) {
+      mean = t, var = v;
+      continue;
+    }
+    const double theta = std::sqrt(var + v);
+    const double alpha = (mean - t) / theta;
+    const double cdf = 0.5 * std::erfc(-alpha / std::numbers::sqrt2);
+    const double pdf = std::exp(-0.5 * alpha * alpha) * std::numbers::inv_sqrtpi / std::numbers::sqrt2;
+    const double m1 = mean * cdf + t * (1 - cdf) + theta * pdf;
+    const double m2 = (mean * mean + var) * cdf + (t * t + v) * (1 - cdf) + (mean + t) * theta * pdf;
+    mean = m1, var = std::max(0.0, m2 - m1 * m1);
+  }
+  return mean;
 }
 
 LayerPlacement lina_placement(const std::vector<double>& popularity, const LayerPlacement& owners,

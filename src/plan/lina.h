@@ -76,15 +76,66 @@ struct LinaCost {
   // seconds non-decreasing (the measurement takes a running maximum: more rows never cost less).
   std::vector<double> rows, seconds;
   double move_seconds = 0;  // one expert's weights gathered onto a rank that does not hold them
+  // The spread (standard deviation) of a rank's time for one layer's experts around the curve, as the
+  // runs measure it (LinaCurveFit); 0: none. Under it the plan weighs a rank by its expected time
+  // among noisy ranks (lina_busiest_seconds).
+  double noise_seconds = 0;
   // Linear between the points, from (0 rows, 0 s) to the first, beyond the last on the last segment's
   // slope (flat with one point). tokens may be fractional (an estimate's expected count).
   // REQUIRES: rows and seconds of one size >= 1 (std::logic_error).
   double expert_seconds(double tokens) const;
+  // expert_seconds(tokens) as weights of two points: w_lo * seconds[lo] + w_hi * seconds[hi] (the
+  // curve is linear in its seconds, which is what LinaCurveFit fits). REQUIRES: as expert_seconds.
+  struct Weights {
+    size_t lo = 0, hi = 0;
+    double w_lo = 0, w_hi = 0;
+  };
+  Weights weights(double tokens) const;
   // A two-point curve, fixed + token_seconds x tokens at 1 and 2 tokens (tests, hand-made prices).
   static LinaCost affine(double fixed_seconds, double token_seconds, double move_seconds);
 };
+
+// LinaCost's curve refitted from the experts' own runs while serving (serve::InferenceEngine): a
+// rank's time for one MoE layer's experts is the sum, over the experts it ran, of the curve at their
+// rows, and that is linear in the curve's seconds, so the runs accumulate as the normal equations of a
+// least-squares fit. Each rank adds its own runs; the sums are added over the ranks (sums(), then
+// add_sums() on every rank), so that every rank fits the same curve. Thread safety: none.
+class LinaCurveFit {
+ public:
+  // The curve's rows (LinaCost::rows). REQUIRES: non-empty, ascending, rows[0] > 0 (std::logic_error).
+  explicit LinaCurveFit(std::vector<double> rows);
+  // One run: the experts of a layer ran rows_of_each[i] rows each (0: not run) in `seconds` on a rank.
+  // A run of no rows is not counted.
+  void add(std::span<const int64_t> rows_of_each, double seconds);
+  // [G*G + G + 2]: the runs' Gram matrix, right-hand side, sum of squared seconds and count since the
+  // last clear().
+  std::vector<double> sums() const;
+  void clear();
+  // Adds sums of the same rows' runs (other ranks', or one's own from before). REQUIRES: size as sums().
+  void add_sums(std::span<const double> sums);
+  // Multiplies every sum by keep (0..1): older runs weigh less.
+  void decay(double keep);
+  double runs() const { return runs_; }
+  // The seconds at the rows that fit the runs in least squares, each point drawn towards prior's as if
+  // prior_weight runs had measured it alone (so a point the runs never reach keeps prior's), then
+  // made non-decreasing and positive; prior's move_seconds; noise_seconds the runs' root mean square
+  // residual about the fit (prior's without runs). REQUIRES: prior.rows equal to rows,
+  // prior_weight > 0 (std::logic_error).
+  LinaCost fitted(const LinaCost& prior, double prior_weight) const;
+
+ private:
+  LinaCost shape_;              // rows, for LinaCost::weights
+  std::vector<double> gram_;    // [G*G]
+  std::vector<double> rhs_;     // [G]
+  double squares_ = 0;          // sum of seconds^2
+  double runs_ = 0;
+};
 // The busiest rank's time of placement p (LinaCost above): an expert's tokens split evenly over its
 // holders, each holder's share at least one token (or all of them, when fewer: a token is not split).
+// With cost.noise_seconds > 0 the expected time of the slowest rank, each rank that runs an expert
+// taking its curve time plus independent normal noise of that spread (Clark's moments of the maximum
+// of normals, folded rank by rank): a replica that lifts a second rank next to the busiest one
+// lengthens the expected step by more than the few microseconds it takes off the busiest.
 double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& popularity, const LinaCost& cost);
 
 // The placement for slots: owners keep their experts; experts by descending slots (then popularity,
