@@ -232,7 +232,8 @@ Calibration price_placement(const LayerPlacement& in_force, const LayerPlacement
       model.transfers_per_replica < 1 || !std::isfinite(model.exchange_seconds_per_token) ||
       model.exchange_seconds_per_token < 0)
     violated(kWhere, "CalibrationModel fields must be positive and finite");
-  return price_against(in_force, rank_load(in_force, nodes, counts, model.cores, model.nics), calibrated, counts, nodes, model);
+  const RankLoad before = rank_load(in_force, nodes, counts, model.cores, model.nics);
+  return price_against(in_force, before, calibrated, counts, nodes, model);
 }
 
 std::vector<std::vector<int64_t>> even_counts(const std::vector<double>& load, int R) {
