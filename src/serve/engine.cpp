@@ -173,6 +173,26 @@ void InferenceEngine::place(int64_t m, MoeLayer* moe, const plan::LayerPlacement
   stats_.gathered_bytes += moe->take_sparse_bytes();
 }
 
+void InferenceEngine::set_lina_cost(const plan::LinaCost& cost) {
+  cost_ = start_cost_ = cost;
+  runs_.emplace(cost.rows);
+  fitted_.emplace(cost.rows);
+}
+
+// Every kRefitForwards forwards (collective, as forward() is): the ranks' runs since the last refit
+// summed, the older ones halved, the curve refitted with start-up's as the prior (as if 16 runs had
+// measured each of its points alone).
+void InferenceEngine::refit_lina_cost() {
+  if (!runs_ || !world_ || forwards_ % kRefitForwards != 0) return;
+  std::vector<double> sums = runs_->sums();
+  if (Status s = world_->allreduce(sums.data(), static_cast<int64_t>(sums.size())); !s)
+    throw std::runtime_error("InferenceEngine: refitting Lina's cost: " + s.message());
+  runs_->clear();
+  fitted_->decay(0.5);
+  fitted_->add_sums(sums);
+  cost_ = fitted_->fitted(*start_cost_, 16);
+}
+
 bool InferenceEngine::estimates() const {
   return schedule_ == Schedule::lina || schedule_ == Schedule::lina_no_phase2;
 }
@@ -257,7 +277,15 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   last_stages_.exchange += seconds_since(t);
   t = Clock::now();
   moe->ep_experts(&exchange_);
-  last_stages_.experts += seconds_since(t);
+  const double experts_seconds = seconds_since(t);
+  last_stages_.experts += experts_seconds;
+  if (runs_) {
+    const int me = world_->rank();
+    std::vector<int64_t> rows(E, 0);  // this rank's rows of each expert
+    for (const auto& from : exchange_.rows)
+      for (int64_t e = 0; e < E; ++e) rows[e] += from[e][me];
+    runs_->add(rows, experts_seconds);
+  }
   t = Clock::now();
   moe->ep_combine_a2a(exchange_);
   moe->ep_combine(exchange_, tmp_.data());
@@ -421,6 +449,11 @@ void InferenceEngine::forward(std::span<const Row> rows, float* logits) {
   if (n_out > 0) {
     norm(ln_.data(), last_.data(), normf_w_, normf_b_, n_out);
     linear_forward(logits, ln_.data(), wte_->value.data(), n_out, C, V);
+  }
+  if (world_) {
+    const Clock::time_point t = Clock::now();
+    refit_lina_cost();
+    last_stages_.schedule += seconds_since(t);
   }
   last_stages_.forwards = 1;
   last_stages_.total = seconds_since(start);

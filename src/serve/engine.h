@@ -122,8 +122,12 @@ class InferenceEngine {
   Schedule schedule() const { return schedule_; }
   // Prices the lina schedules' replicas (plan::lina_placement): a replica only where it saves more
   // than its move. Unset, every replica the popularity asks for is gathered. The same on every rank.
-  void set_lina_cost(const plan::LinaCost& cost) { cost_ = cost; }
+  // While serving, the curve follows the experts' own runs: every kRefitForwards forwards the ranks
+  // sum what each measured (plan::LinaCurveFit; one allreduce) and refit it, start-up's curve the
+  // prior and older runs weighing half as much at each refit.
+  void set_lina_cost(const plan::LinaCost& cost);
   const std::optional<plan::LinaCost>& lina_cost() const { return cost_; }
+  static constexpr int64_t kRefitForwards = 64;
   // The replica cache of the lina schedules: a replica the plan stops using stays on its rank, up to
   // `per_rank` such replicas per rank and MoE layer (the most recently used; each costs one expert's
   // weights of memory), so a later plan that wants it again gathers nothing. With a cache, a priced
@@ -163,6 +167,7 @@ class InferenceEngine {
   // MoE block l (its m-th MoE block) under a schedule other than ep: phase 1 before the block's
   // attention (its gather overlaps it), then the rest with y = tmp_, x = ln_.
   bool estimates() const;  // lina and lina_no_phase2: phase 1 plans from an estimate
+  void refit_lina_cost();
   std::future<void> start_phase1(int64_t l, int64_t m);
   void scheduled_moe(int64_t l, int64_t m, int64_t N, std::future<void>* phase1);
   // The placement for MoE block l (its m-th) from popularity (plan::lina_placement, priced when a cost
@@ -196,6 +201,8 @@ class InferenceEngine {
   const plan::PathProfile* profile_ = nullptr;
   comm::Communicator* world_ = nullptr;
   std::optional<plan::LinaCost> cost_;
+  std::optional<plan::LinaCost> start_cost_;        // set_lina_cost's: the refits' prior
+  std::optional<plan::LinaCurveFit> runs_, fitted_;  // this rank's runs since the last refit; all ranks' before
   std::vector<double> estimate_;       // phase 1's popularity estimate of the current MoE block ([E]; empty: none)
   std::vector<double> next_estimate_;  // the next MoE block's, summed over the ranks at this block's gate
   int replica_cache_ = 0;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -80,9 +81,11 @@ class Metrics {
   }
   void rejected() { rejected_.fetch_add(1); }
   void set_load(int64_t running, int64_t waiting) { running_.store(running), waiting_.store(waiting); }
-  void set_schedule(const ScheduleStats& s, const StageSeconds& stages, const Lockstep::RankTimes& times) {
+  void set_schedule(const ScheduleStats& s, const StageSeconds& stages, const Lockstep::RankTimes& times,
+                    const std::optional<plan::LinaCost>& cost) {
     std::lock_guard<std::mutex> l(mu_);
     schedule_ = s;
+    cost_ = cost;
     stages_ = stages;
     busiest_expert_s_ = times.busiest_experts;
     mean_expert_s_ = times.mean_experts;
@@ -145,6 +148,14 @@ class Metrics {
          busiest_expert_s_);
     line("moe_expert_seconds_mean_rank_total", "counter", "Expert computation per rank on average, summed likewise.",
          mean_expert_s_);
+    if (cost_) {  // the lina schedules' price, as refitted from the experts' runs
+      out += "# HELP moe_lina_expert_seconds One expert's time on a rank at `rows` rows, as Lina's planner prices it.\n"
+             "# TYPE moe_lina_expert_seconds gauge\n";
+      for (size_t j = 0; j < cost_->rows.size(); ++j)
+        out += "moe_lina_expert_seconds{rows=\"" + num(cost_->rows[j]) + "\"} " + num(cost_->seconds[j]) + "\n";
+      line("moe_lina_noise_seconds", "gauge", "Spread (standard deviation) of a rank's MoE layer expert time about it.",
+           cost_->noise_seconds);
+    }
     summary(&out, "moe_request_latency_seconds", "Arrival to last token, completed requests.", latency_);
     summary(&out, "moe_time_to_first_token_seconds", "Arrival to first token, completed requests.", first_token_);
     return out;
@@ -177,6 +188,7 @@ class Metrics {
   std::deque<double> latency_, first_token_;
   std::deque<std::pair<Clock::time_point, int64_t>> recent_;
   ScheduleStats schedule_;
+  std::optional<plan::LinaCost> cost_;  // the lina schedules' price (engine.h set_lina_cost)
   StageSeconds stages_;
   double busiest_expert_s_ = 0, mean_expert_s_ = 0;
 };
@@ -364,7 +376,8 @@ class Scheduler {
     plan();
     // With nothing to run this is a heartbeat: the other ranks wait in it instead of timing out.
     if (Status s = ranks_.step(rows_, &logits_); !s) return s;
-    metrics_.set_schedule(ranks_.engine().schedule_stats(), ranks_.engine().stage_seconds(), ranks_.rank_times());
+    metrics_.set_schedule(ranks_.engine().schedule_stats(), ranks_.engine().stage_seconds(), ranks_.rank_times(),
+                          ranks_.engine().lina_cost());
     for (size_t j = 0; j < scheduled_.size(); ++j) {
       Running& r = running_[scheduled_[j]];
       const int32_t next = r.sampler.next(logits_.data() + j * V_, V_);
