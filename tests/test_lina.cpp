@@ -154,12 +154,13 @@ TEST(LinaPlan, CurveFitRecoversTheCurveThatTimedTheRuns) {
   both.add_sums(rank1.sums());
   const moe::plan::LinaCost summed = both.fitted(prior, 1e-9);
   for (size_t j = 0; j < truth.rows.size(); ++j) EXPECT_NEAR(summed.seconds[j], got.seconds[j], 1e-12) << j;
-  // Decode runs alone (1 and 2 rows) leave the points beyond them near the prior's, kept non-decreasing.
+  // Decode runs alone (1 and 2 rows) leave the points beyond them at the prior's shape scaled to the
+  // runs' level (here exactly the truth: the prior is twice it), kept non-decreasing.
   moe::plan::LinaCurveFit decode(truth.rows);
   for (int i = 0; i < 200; ++i) decode.add(std::vector<int64_t>{1, 2, 1}, time({1, 2, 1}));
   const moe::plan::LinaCost d = decode.fitted(prior, 16);
   EXPECT_NEAR(d.seconds[0] + d.seconds[1] + d.seconds[0], time({1, 2, 1}), 0.05 * time({1, 2, 1}));
-  EXPECT_DOUBLE_EQ(d.seconds[4], prior.seconds[4]);
+  EXPECT_NEAR(d.seconds[4], truth.seconds[4], 1e-12);
   for (size_t j = 1; j < d.seconds.size(); ++j) EXPECT_GE(d.seconds[j], d.seconds[j - 1]);
   EXPECT_NEAR(got.noise_seconds, 0, 1e-9);  // exact runs: no residual
   // Runs of one shape timed T + d and T - d: the fit is T, the spread d.

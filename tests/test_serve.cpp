@@ -236,6 +236,39 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
   EXPECT_EQ(off.cached, 0);
   EXPECT_GT(on.cached, 0) << "no replica was kept while unused";
   EXPECT_LT(on.gathered_bytes, off.gathered_bytes);
+  // Priced, the curve follows the experts' own runs: after kRefitForwards forwards, started from a
+  // price far off (a second an expert), every rank holds the same refitted curve (the ranks must plan
+  // alike), near the kernel's microseconds, with a spread measured from the runs.
+  {
+    Model model(cfg, 2);
+    model.init(5);
+    model.set_expert_parallel(world.get(), world.get());
+    InferenceEngine engine(model, 2, cfg.seq_len);
+    engine.set_schedule(moe::serve::Schedule::lina_no_estimate, nullptr, world.get());
+    engine.set_replica_cache(4);
+    engine.set_lina_cost(moe::plan::LinaCost{{1, 4, 16}, {1.0, 1.0, 1.0}, 1.0});
+    std::vector<float> out(B * V);
+    for (int64_t i = 0; i < InferenceEngine::kRefitForwards; ++i) {
+      const int32_t byte = static_cast<int32_t>((53 * i + 101 * world->rank() + 7) % 256);
+      std::vector<Row> rows;
+      for (int32_t j = 0; j < B; ++j) rows.push_back({static_cast<int32_t>(i % 2), j, byte, true});
+      engine.forward(rows, out.data());
+    }
+    const moe::plan::LinaCost& now = *engine.lina_cost();
+    ASSERT_EQ(now.seconds.size(), 3u);
+    // Each rank's rows of a batch choose 2 of the 4 experts: 6 or 12 rows an expert, the rows the runs
+    // pin down (the points between them are drawn towards the prior as well).
+    EXPECT_LT(now.expert_seconds(6), 0.01) << "not refitted from the runs";
+    EXPECT_LT(now.expert_seconds(12), 0.01) << "not refitted from the runs";
+    std::printf("rank %d: refitted price at 6 and 12 rows %.1f and %.1f us, spread %.1f us\n", world->rank(),
+                now.expert_seconds(6) * 1e6, now.expert_seconds(12) * 1e6, now.noise_seconds * 1e6);
+    EXPECT_GT(now.noise_seconds, 0);
+    std::vector<double> lo = now.seconds, hi = now.seconds;
+    lo.push_back(now.noise_seconds), hi.push_back(now.noise_seconds);
+    ASSERT_TRUE(world->allreduce(lo.data(), static_cast<int64_t>(lo.size()), moe::comm::ReduceOp::min));
+    ASSERT_TRUE(world->allreduce(hi.data(), static_cast<int64_t>(hi.size()), moe::comm::ReduceOp::max));
+    EXPECT_EQ(lo, hi) << "the ranks refitted different curves";
+  }
   std::printf("rank %d: %lld layer forwards; replicas per layer forward %.2f; cache off: gathered %lld bytes, "
               "max rel logit diff to ep %.2e; cache of 4: %.2f unused replicas held per layer forward, gathered "
               "%lld bytes, diff %.2e; busiest rank's expert rows / mean: ep %.2f, cache off %.2f, on %.2f\n",

@@ -163,9 +163,18 @@ LinaCost LinaCurveFit::fitted(const LinaCost& prior, double prior_weight) const 
   const size_t G = rhs_.size();
   if (prior.rows != shape_.rows || prior.seconds.size() != G || !(prior_weight > 0))
     throw std::logic_error("LinaCurveFit::fitted: REQUIRES the prior's rows and prior_weight > 0");
-  // (gram + w I) x = rhs + w prior: symmetric positive definite, solved by elimination.
+  // The prior's shape at the runs' level first: the scale s that fits the runs best with the prior's
+  // curve alone (s = p.rhs / p.gram.p), so that points the runs leave undetermined move with the
+  // rest instead of holding the start-up level (a start-up measurement 2x off moves every point).
+  double p_rhs = 0, p_gram_p = 0;
+  for (size_t i = 0; i < G; ++i) {
+    p_rhs += prior.seconds[i] * rhs_[i];
+    for (size_t j = 0; j < G; ++j) p_gram_p += prior.seconds[i] * gram_[i * G + j] * prior.seconds[j];
+  }
+  const double scale = p_gram_p > 0 && p_rhs > 0 ? p_rhs / p_gram_p : 1.0;
+  // (gram + w I) x = rhs + w scale prior: symmetric positive definite, solved by elimination.
   std::vector<double> a = gram_, b = rhs_;
-  for (size_t i = 0; i < G; ++i) a[i * G + i] += prior_weight, b[i] += prior_weight * prior.seconds[i];
+  for (size_t i = 0; i < G; ++i) a[i * G + i] += prior_weight, b[i] += prior_weight * scale * prior.seconds[i];
   for (size_t k = 0; k < G; ++k)
     for (size_t i = k + 1; i < G; ++i) {
       const double f = a[i * G + k] / a[k * G + k];
@@ -179,7 +188,8 @@ LinaCost LinaCurveFit::fitted(const LinaCost& prior, double prior_weight) const 
     x[i] = s / a[i * G + i];
   }
   LinaCost out = prior;
-  for (size_t i = 0; i < G; ++i) out.seconds[i] = std::max(x[i], i > 0 ? out.seconds[i - 1] : prior.seconds[0] * 1e-3);
+  for (size_t i = 0; i < G; ++i)
+    out.seconds[i] = std::max(x[i], i > 0 ? out.seconds[i - 1] : scale * prior.seconds[0] * 1e-3);
   if (runs_ > 0) {  // residual sum of squares of x: sum t^2 - 2 x.rhs + x.gram.x
     double rss = squares_;
     for (size_t i = 0; i < G; ++i) {

@@ -116,9 +116,10 @@ class LinaCurveFit {
   // Multiplies every sum by keep (0..1): older runs weigh less.
   void decay(double keep);
   double runs() const { return runs_; }
-  // The seconds at the rows that fit the runs in least squares, each point drawn towards prior's as if
-  // prior_weight runs had measured it alone (so a point the runs never reach keeps prior's), then
-  // made non-decreasing and positive; prior's move_seconds; noise_seconds the runs' root mean square
+  // The seconds at the rows that fit the runs in least squares, each point drawn towards the prior's
+  // curve scaled to the runs' level (the one factor that fits them best) as if prior_weight runs had
+  // measured it alone (so a point the runs never reach keeps the scaled prior's), then made
+  // non-decreasing and positive; prior's move_seconds; noise_seconds the runs' root mean square
   // residual about the fit (prior's without runs). REQUIRES: prior.rows equal to rows,
   // prior_weight > 0 (std::logic_error).
   LinaCost fitted(const LinaCost& prior, double prior_weight) const;

@@ -180,8 +180,8 @@ void InferenceEngine::set_lina_cost(const plan::LinaCost& cost) {
 }
 
 // Every kRefitForwards forwards (collective, as forward() is): the ranks' runs since the last refit
-// summed, the older ones halved, the curve refitted with start-up's as the prior (as if 16 runs had
-// measured each of its points alone).
+// summed, the older ones halved, the curve refitted with start-up's, scaled to the runs' level, as the
+// prior (as if 16 runs had measured each of its points alone: plan::LinaCurveFit::fitted).
 void InferenceEngine::refit_lina_cost() {
   if (!runs_ || !world_ || forwards_ % kRefitForwards != 0) return;
   std::vector<double> sums = runs_->sums();
