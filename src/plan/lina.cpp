@@ -84,7 +84,7 @@ std::vector<int> lina_slots(const std::vector<double>& popularity, int n_ranks) 
 
 LinaCost::Weights LinaCost::weights(double tokens) const {
   if (rows.empty() || rows.size() != seconds.size())
-    throw std::logic_error("LinaCost::expert_seconds: REQUIRES rows and seconds of one size >= 1");
+    throw std::logic_error("LinaCost::weights, expert_seconds: REQUIRES rows and seconds of one size >= 1");
   if (!(tokens > 0)) return {};
   const size_t n = rows.size();
   if (tokens <= rows[0]) return {0, 0, tokens / rows[0], 0};

@@ -280,10 +280,9 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   const double experts_seconds = seconds_since(t);
   last_stages_.experts += experts_seconds;
   if (runs_) {
-    const int me = world_->rank();
-    std::vector<int64_t> rows(E, 0);  // this rank's rows of each expert
-    for (const auto& from : exchange_.rows)
-      for (int64_t e = 0; e < E; ++e) rows[e] += from[e][me];
+    const std::vector<int64_t>& at = exchange_.local_offset;  // the rows each held expert just ran
+    std::vector<int64_t> rows(at.size() - 1);
+    for (size_t h = 0; h + 1 < at.size(); ++h) rows[h] = at[h + 1] - at[h];
     runs_->add(rows, experts_seconds);
   }
   t = Clock::now();
