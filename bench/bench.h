@@ -78,6 +78,12 @@ int moe_layer(const BenchOptions& opt);
 // larger one; 1, 4 and 16 sequences) against this machine's memory read bandwidth and GEMM rate, both
 // measured in the same run: a decode step is bound by the bytes it reads. Returns the exit code.
 int decode(const BenchOptions& opt);
+// bench/serve_replay.cpp: every serving schedule on the same forwards (bench serve's workloads,
+// teacher-forced, the schedules in turn within each step), per-forward times compared directly, on 2
+// local ranks (serve_replay; under mpirun it is the ranks' part) or 2 emulated hosts at 1 Gbit/s
+// (cluster_serve_replay, root). Returns the exit code.
+int serve_replay(const BenchOptions& opt);
+int cluster_serve_replay(const BenchOptions& opt);
 
 // bench/serve.cpp: `moe serve` on 2 ranks driven over HTTP by real-text requests of two domains in
 // unequal shares, in two workloads (chat: short prompts, decode-bound; long prompts: prefill-bound);

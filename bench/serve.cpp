@@ -54,6 +54,7 @@
 #include "bench/bench.h"
 #include "bench/emulated_cluster.h"
 #include "bench/report.h"
+#include "bench/serve_workload.h"
 #include "model/data.h"
 #include "runtime/train_config.h"
 #include "util/quantile.h"
@@ -65,23 +66,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Prompt {
-  std::string text;
-  bool other_domain = false;
-};
+constexpr const char* kHotExperts = "--router-skew 1.5 --aux-loss-weight 0.001";  // see the top of the file
+constexpr const char* kBenchModel = "--d-model 256 --d-ffn 1024";                  // likewise
 
-// What the clients send: prompts of [prompt_min, prompt_max] bytes, max_tokens new tokens each, to a
-// server with slots_per_rank sequences per rank; `clients` find the closed-loop throughput.
-struct Workload {
-  std::string name;
-  int prompt_min = 0, prompt_max = 0;
-  int64_t max_tokens = 0;
-  int slots_per_rank = 0;
-  int clients = 0;
-};
+}  // namespace
 
-// 400 prompts of w's lengths: windows of the Python docs' validation split and, one in five, of the GPL-3.
-Status make_prompts(const Workload& w, std::vector<Prompt>* out) {
+const std::vector<Workload>& serve_workloads() {
+  static const std::vector<Workload> w = {{"chat", 32, 64, 48, 8, 8}, {"long prompts", 96, 120, 8, 32, 32}};
+  return w;
+}
+
+Status make_prompts(const Workload& w, int64_t continuation_bytes, std::vector<Prompt>* out) {
   DataOptions o;
   o.seq_len = w.prompt_max;
   o.suffix = kDefaultCorpusSuffix;
@@ -92,6 +87,7 @@ Status make_prompts(const Workload& w, std::vector<Prompt>* out) {
   gpl << f.rdbuf();
   const std::string other = gpl.str();
   if (other.size() < 1000) return Status::error("bench serve: /usr/share/common-licenses/GPL-3 is missing");
+  const size_t extra = static_cast<size_t>(continuation_bytes);
   std::mt19937_64 rng(7);
   const std::vector<uint8_t>& val = docs.val_data();
   for (int i = 0; i < 400; ++i) {
@@ -99,16 +95,39 @@ Status make_prompts(const Workload& w, std::vector<Prompt>* out) {
     Prompt p;
     p.other_domain = i % 5 == 4;
     if (p.other_domain) {
-      const size_t at = rng() % (other.size() - len);
+      const size_t at = rng() % (other.size() - len - extra);
       p.text = other.substr(at, len);
+      p.continuation = other.substr(at + len, extra);
     } else {
-      const size_t at = rng() % (val.size() - len);
+      const size_t at = rng() % (val.size() - len - extra);
       p.text.assign(val.begin() + at, val.begin() + at + len);
+      p.continuation.assign(val.begin() + at + len, val.begin() + at + len + extra);
     }
     out->push_back(std::move(p));
   }
   return Status::ok();
 }
+
+std::string bench_checkpoint(const ScratchDir& scratch) {
+  if (const char* given = std::getenv("MOE_BENCH_CHECKPOINT"); given && *given) {
+    if (std::filesystem::exists(std::filesystem::path(given) / "state.json")) return given;
+    std::fprintf(stderr, "bench serve: MOE_BENCH_CHECKPOINT=%s is not a checkpoint folder (no state.json)\n", given);
+    return "";
+  }
+  const std::string checkpoint = (scratch.path() / "ck").string();
+  std::fprintf(stderr, "bench serve: training the bench's model (%s %s) for 300 steps on 2 ranks "
+                       "(set MOE_BENCH_CHECKPOINT to skip)\n", kBenchModel, kHotExperts);
+  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 300 " + kBenchModel +
+                          " " + kHotExperts +
+                          " --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " + checkpoint + " >&2";
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "bench serve: training failed\n");
+    return "";
+  }
+  return checkpoint;
+}
+
+namespace {
 
 // Where the server's 2 ranks run and how the client reaches rank 0.
 struct Place {
@@ -179,24 +198,6 @@ double metric(const std::string& text, const std::string& name) {
   return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + name.size() + 2);
 }
 
-constexpr const char* kHotExperts = "--router-skew 1.5 --aux-loss-weight 0.001";  // see the top of the file
-constexpr const char* kBenchModel = "--d-model 256 --d-ffn 1024";                  // likewise
-
-// The checkpoint the bench serves: $MOE_BENCH_CHECKPOINT, else one trained into `scratch` (empty on failure).
-std::string bench_checkpoint(const ScratchDir& scratch) {
-  if (const char* given = std::getenv("MOE_BENCH_CHECKPOINT"); given && *given) return given;
-  const std::string checkpoint = (scratch.path() / "ck").string();
-  std::fprintf(stderr, "bench serve: training the bench's model (%s %s) for 300 steps on 2 ranks "
-                       "(set MOE_BENCH_CHECKPOINT to skip)\n", kBenchModel, kHotExperts);
-  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 300 " + kBenchModel +
-                          " " + kHotExperts +
-                          " --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " + checkpoint + " >&2";
-  if (std::system(cmd.c_str()) != 0) {
-    std::fprintf(stderr, "bench serve: training failed\n");
-    return "";
-  }
-  return checkpoint;
-}
 
 // One workload's table: ep's closed-loop throughput, then every schedule on the same Poisson trace at
 // 70% of it (or at fixed_rate when > 0, without the closed loop), opt.repeats rounds interleaved.
@@ -204,7 +205,7 @@ std::string bench_checkpoint(const ScratchDir& scratch) {
 bool run_workload(const Place& at, const std::string& checkpoint, const Workload& w, double fixed_rate,
                   const BenchOptions& opt, const std::string& log, Report& report) {
   std::vector<Prompt> prompts;
-  if (Status s = make_prompts(w, &prompts); !s) {
+  if (Status s = make_prompts(w, 0, &prompts); !s) {
     std::fprintf(stderr, "bench serve: %s\n", s.message().c_str());
     return false;
   }
@@ -389,19 +390,16 @@ class NetnsGuard {
   bool entered_ = false;
 };
 
-const std::vector<Workload>& workloads() {
-  static const std::vector<Workload> w = {{"chat", 32, 64, 48, 8, 8}, {"long prompts", 96, 120, 8, 32, 32}};
-  return w;
-}
-
 int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch, const std::string& checkpoint) {
+  BenchOptions shown = opt;  // the header's threads: each server rank's (start_server's --threads 1)
+  shown.threads = 1;
   Report report(at.bench,
                 "moe serve on " + at.where + " (1 thread each), streamed requests of real text (80% Python docs, 20% GPL-3), temperature 0.8; " +
                     std::to_string(opt.repeats) + " interleaved rounds of 15 s per schedule and workload",
-                opt, /*uses_gemm=*/false);
+                shown, /*uses_gemm=*/false);
   const std::string log = (scratch.path() / "serve.log").string();
-  for (size_t i = 0; i < workloads().size(); ++i) {
-    const Workload& w = workloads()[i];
+  for (size_t i = 0; i < serve_workloads().size(); ++i) {
+    const Workload& w = serve_workloads()[i];
     const double fixed_rate = opt.rates.empty() ? 0 : opt.rates[i];
     if (!run_workload(at, checkpoint, w, fixed_rate, opt, log + "." + std::to_string(w.slots_per_rank), report)) return 1;
   }

@@ -8,15 +8,15 @@ namespace moe::cli {
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
   CLI::App* c = app.add_subcommand("bench", "run a benchmark and print its table (see bench/README.md)");
   c->add_option("name", f->name,
-                "benchmark: moe-layer, decode, serve, collectives (under mpirun), ep-training, "
+                "benchmark: moe-layer, decode, serve, serve-replay, collectives (under mpirun), ep-training, "
                 "sparse-collectives (under mpirun), "
                 "transfer-cpu (under mpirun, one rank per host), strategies, "
-                "cluster-collectives, cluster-ep-training, cluster-strategies, cluster-serve (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
+                "cluster-collectives, cluster-ep-training, cluster-strategies, cluster-serve, cluster-serve-replay (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
                 "cuda (GPU kernels; needs a CUDA build and a GPU)")
       ->required()
-      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "collectives", "ep-training", "sparse-collectives",
+      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "serve-replay", "collectives", "ep-training", "sparse-collectives",
                              "transfer-cpu", "strategies",
-                             "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "sim", "sim-fidelity",
+                             "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "cluster-serve-replay", "sim", "sim-fidelity",
                              "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   c->add_option("--repeats", f->repeats,
@@ -71,6 +71,8 @@ int run_bench(const BenchFlags& f) {
   bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.rates, f.keep};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
+  if (f.name == "serve-replay") return bench::serve_replay(opt);
+  if (f.name == "cluster-serve-replay") return bench::cluster_serve_replay(opt);
   if (f.name == "collectives") return bench::collectives(opt);
   if (f.name == "ep-training") return bench::ep_training(opt);
   if (f.name == "sparse-collectives") return bench::sparse_collectives(opt);
