@@ -326,22 +326,22 @@ int replay_ranks(const BenchOptions& opt) {
 // tables under this bench's header. Returns the exit code.
 int report_ranks(const std::string& bench, const std::string& where, const std::string& launch,
                  const BenchOptions& opt) {
-  const std::string cmd = launch + " bench serve-replay --json --repeats " + std::to_string(opt.repeats);
-  std::string out;  // the ranks' stdout: their report's JSON alone
-  FILE* f = ::popen(cmd.c_str(), "r");
-  if (!f) {
-    std::fprintf(stderr, "moe bench %s: cannot start %s\n", bench.c_str(), cmd.c_str());
-    return 1;
-  }
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
-  const int status = ::pclose(f);
   BenchOptions shown = opt;  // the header's threads: each rank's
   shown.threads = 1;
   Report report(bench,
                 "every serving schedule on the same forwards, on " + where + " (1 thread each): bench serve's "
                 "workloads in closed loop, teacher-forced; " + std::to_string(opt.repeats * kForwardsPerRound) +
                 " timed forwards per schedule and workload", shown);
+  const std::string cmd = launch + " bench serve-replay --json --repeats " + std::to_string(opt.repeats);
+  std::string out;  // the ranks' stdout: their report's JSON alone
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (!f) {
+    std::fprintf(stderr, "moe bench %s: cannot start %s\n", bench.c_str(), cmd.c_str());
+    return report.finish(1);
+  }
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  const int status = ::pclose(f);
   const bool given = std::getenv("MOE_BENCH_CHECKPOINT") && *std::getenv("MOE_BENCH_CHECKPOINT");
   if (status != 0 || !report.add_from(child_document("\n" + out))) {
     std::fprintf(stderr, "moe bench %s: the ranks failed (%s); their output:\n%s\n", bench.c_str(), cmd.c_str(),

@@ -83,9 +83,11 @@ TEST(LinaPlan, PopularExpertsGetReplicasOnTheLeastLoadedRanks) {
 }
 
 // Priced: 4 experts on 2 ranks (owners 0, 0, 1, 1), expert 0 hot (30 of 36 tokens: 2 slots).
-// 1 ms a token, 0.5 ms to read an expert: rank 0 takes 30 + 0.5 + 2 + 0.5 = 33 ms, rank 1 5 ms; a
-// replica of expert 0 on rank 1 makes them 18 and 20.5: 12.5 ms saved. Kept for a 10 ms move, refused
-// for 20 ms unless rank 1 already holds it.
+// 1 ms a token, 0.5 ms to read an expert: rank 0 takes 30 + 0.5 + 2 + 0.5 = 33 ms, rank 1 5 ms. A
+// replica of expert 0 on rank 1, its 30 tokens split so that the ranks' tokens level at 18 (16 on rank
+// 0 beside expert 1's 2, 14 on rank 1 beside 4), makes them 19 and 19.5 ms: 13.5 ms saved (an even
+// split, 15 and 15, would make them 18 and 20.5). Kept for a 10 ms move, refused for 20 ms unless rank
+// 1 already holds it.
 TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
   const LayerPlacement owners = moe::plan::even_placement(4, 2);
   const std::vector<double> pop{30, 2, 2, 2};
@@ -93,12 +95,13 @@ TEST(LinaPlan, PricedReplicaOnlyWhereItsSavingBeatsItsMove) {
   EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(owners, pop, cost), 33e-3);
   const LayerPlacement cheap = moe::plan::lina_placement(pop, owners, &cost);
   EXPECT_EQ(cheap.replicas[0], (std::vector<int>{0, 1}));
-  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(cheap, pop, cost), 20.5e-3);
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(cheap, pop, cost), 19.5e-3);
   cost.move_seconds = 20e-3;
   EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost).replicas, owners.replicas);
   EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost, &cheap).replicas[0], (std::vector<int>{0, 1}));
   // A decode-sized batch (6 tokens) at 10 us a token: reading the weights dominates, and a replica
-  // makes its new holder read them too (1.04 ms -> 1.535 ms on rank 1): refused even when held.
+  // makes its new holder read them too (rank 1 from 1.02 to 1.53 ms, its share 1 of the 3 tokens):
+  // refused even when held.
   const std::vector<double> small{3, 1, 1, 1};
   const moe::plan::LinaCost decode = moe::plan::LinaCost::affine(0.5e-3, 10e-6, 0);
   EXPECT_EQ(moe::plan::lina_slots(small, 2)[0], 2);  // the unpriced rule would replicate it
@@ -224,10 +227,13 @@ TEST(LinaPlan, AFlatCurveRefusesADecodeReplicaThatALineWouldKeep) {
   EXPECT_EQ(moe::plan::lina_placement(pop, owners, &curve, &held).replicas, owners.replicas);
 }
 
-// A batch of one token whose two choices both sit on rank 0 (a lone request decoding): a replica of
-// either expert cannot take half a token, so it saves nothing and is refused, held or not. (Priced at
-// half a token per holder it looked like halving rank 0's time: one replica per layer and forward.)
-TEST(LinaPlan, AReplicaCannotSplitASingleToken) {
+// A batch of one token whose two choices both sit on rank 0 (a lone request decoding). A token is not
+// split: a holder that runs an expert runs at least one row (priced at half a token per holder, a
+// replica once looked like halving rank 0's time: one replica per layer and forward). But the split
+// levels the ranks, so a replica rank 1 holds takes the token of its expert whole: each rank then
+// reads one expert, 0.4 ms instead of 0.8 on rank 0. Both replicas held, both experts split half and
+// half: each rank runs both, 0.8 ms, nothing saved.
+TEST(LinaPlan, ALoneTokenGoesWholeToAHeldReplicaOnAnIdleRank) {
   const LayerPlacement owners = moe::plan::even_placement(4, 2);
   const std::vector<double> pop{1, 1, 0, 0};
   const moe::plan::LinaCost curve{{1, 4, 16}, {0.4e-3, 0.45e-3, 0.6e-3}, 0};
@@ -235,13 +241,22 @@ TEST(LinaPlan, AReplicaCannotSplitASingleToken) {
   held.replicas[0] = {0, 1};
   held.replicas[1] = {0, 1};
   EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(held, pop, curve), 0.8e-3);
-  EXPECT_EQ(moe::plan::lina_placement(pop, owners, &curve, &held).replicas, owners.replicas);
+  const LayerPlacement p = moe::plan::lina_placement(pop, owners, &curve, &held);
+  EXPECT_EQ(p.replicas, (std::vector<std::vector<int>>{{0, 1}, {0}, {1}, {1}}));
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(p, pop, curve), 0.4e-3);
+  EXPECT_EQ(moe::plan::balanced_shares(p, pop)[0], (std::vector<double>{0, 1}));
+  // An estimate's fractions of a token: a replica of expert 0 (0.4) on rank 1 would level the ranks by
+  // splitting it 0.05 / 0.35, each holder then running the whole fraction (not split), saving nothing;
+  // expert 1's 0.3 goes whole to rank 1, below rank 0's remaining 0.4: 0.28 ms -> 0.16 on rank 0.
   const std::vector<double> estimate{0.4, 0.3, 0, 0};
-  EXPECT_EQ(moe::plan::lina_placement(estimate, owners, &curve, &held).replicas, owners.replicas);
+  const LayerPlacement q = moe::plan::lina_placement(estimate, owners, &curve, &held);
+  EXPECT_EQ(q.replicas, (std::vector<std::vector<int>>{{0}, {0, 1}, {1}, {1}}));
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(owners, estimate, curve), 0.28e-3);
+  EXPECT_DOUBLE_EQ(moe::plan::lina_busiest_seconds(q, estimate, curve), 0.16e-3);
 }
 
-// Rent or buy: the same hot expert (12.5 ms saved a step, as above) against a 30 ms move. Refused on
-// the first and second steps (12.5, then 12.5 + 12.5 = 25 <= 30), bought on the third (37.5 > 30), when
+// Rent or buy: the same hot expert (13.5 ms saved a step, as above) against a 30 ms move. Refused on
+// the first and second steps (13.5, then 13.5 + 13.5 = 27 <= 30), bought on the third (40.5 > 30), when
 // the savings refused so far plus this step's pass the move; the sum is then reset. Without the sum
 // it is refused every step.
 TEST(LinaPlan, RentOrBuyBuysAReplicaOnceTheRefusedSavingsPassItsMove) {
@@ -251,7 +266,7 @@ TEST(LinaPlan, RentOrBuyBuysAReplicaOnceTheRefusedSavingsPassItsMove) {
   std::vector<double> foregone(2 * 4, 0.0);
   for (int step = 1; step <= 2; ++step) {
     EXPECT_EQ(moe::plan::lina_placement(pop, owners, &cost, &owners, &foregone).replicas, owners.replicas) << step;
-    EXPECT_NEAR(foregone[1 * 4 + 0], step * 12.5e-3, 1e-12) << "rank 1, expert 0, step " << step;
+    EXPECT_NEAR(foregone[1 * 4 + 0], step * 13.5e-3, 1e-12) << "rank 1, expert 0, step " << step;
   }
   const LayerPlacement bought = moe::plan::lina_placement(pop, owners, &cost, &owners, &foregone);
   EXPECT_EQ(bought.replicas[0], (std::vector<int>{0, 1}));

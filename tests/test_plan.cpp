@@ -364,6 +364,60 @@ TEST(Dispatch, EvenConservesTokensAndBalancesHoldersOnZipfPlacements) {
   }
 }
 
+TEST(Dispatch, BalancedSplitsAReplicatedExpertSoThatTheRanksLevel) {
+  // 2 ranks; experts 0, 1 owned by rank 0, 2, 3 by rank 1; expert 0 also on rank 1. Rank 0's own
+  // expert 1 has 100 tokens, rank 1's experts 150 + 50: loads 100 and 200 before expert 0's 400
+  // (rank 0 routes 300 of them, rank 1 100). Even halves them: 300 and 400. Balanced levels: rank 0
+  // computes 250 of them, rank 1 150, both at 350; rank 0 sends only the 50 its share cannot keep.
+  LayerPlacement p = even_placement(4, 2);
+  p.replicas[0] = {0, 1};
+  const Counts counts = {{300, 60, 90, 30}, {100, 40, 60, 20}};
+  const auto shares = balanced_shares(p, {400, 100, 150, 50});
+  EXPECT_EQ(shares[0], (std::vector<double>{250, 150}));
+  EXPECT_EQ(shares[1], (std::vector<double>{100}));
+  EXPECT_EQ(received_tokens(dispatch_plan(p, uniform_nodes(2, 1), counts, DispatchRule::even)),
+            (std::vector<int64_t>{300, 400}));
+  const auto rows = dispatch_plan(p, uniform_nodes(2, 1), counts, DispatchRule::balanced);
+  EXPECT_EQ(rows[0][0], (std::vector<int64_t>{250, 50}));
+  EXPECT_EQ(rows[1][0], (std::vector<int64_t>{0, 100}));
+  EXPECT_EQ(received_tokens(rows), (std::vector<int64_t>{350, 350}));
+  // A rank already above the level gets none: with rank 1 at 500 of its own, all 400 stay on rank 0.
+  const auto heavy = balanced_shares(p, {400, 100, 450, 50});
+  EXPECT_EQ(heavy[0], (std::vector<double>{400, 0}));
+  // Without replicas the rules agree.
+  const LayerPlacement ep = even_placement(4, 2);
+  EXPECT_EQ(dispatch_plan(ep, uniform_nodes(2, 1), counts, DispatchRule::balanced),
+            dispatch_plan(ep, uniform_nodes(2, 1), counts, DispatchRule::nearest));
+}
+
+TEST(Dispatch, BalancedPoursTheLargestSharedExpertFirstAndRoundsToWholeTokens) {
+  // 3 ranks, one expert each (owners 0, 1, 2 with 10, 0, 4 tokens), and a fourth expert on rank 0
+  // replicated on all three with 11 tokens, and expert 1 (0 tokens) on ranks 1 and 2. Pouring 11 onto
+  // loads 10 / 0 / 4: level (11 + 0 + 4) / 2 = 7.5 for ranks 1 and 2 (rank 0 stays at 10): shares 0,
+  // 7.5, 3.5; whole tokens 0, 7, 3, and the eleventh to the largest fraction: ranks 1 and 2 tie at
+  // 0.5, and the order rotated by the expert (from holder 3 % 3 = 0) puts rank 1 first.
+  LayerPlacement p;
+  p.n_ranks = 3;
+  p.owner = {0, 1, 2, 0};
+  p.replicas = {{0}, {1, 2}, {2}, {0, 1, 2}};
+  const auto shares = balanced_shares(p, {10, 0, 4, 11});
+  EXPECT_EQ(shares[3], (std::vector<double>{0, 7.5, 3.5}));
+  EXPECT_EQ(shares[1], (std::vector<double>{0, 0}));
+  Counts counts(3, std::vector<int64_t>(4, 0));
+  counts[0][0] = 10;
+  counts[2][2] = 4;
+  counts[0][3] = 5;
+  counts[1][3] = 6;
+  const auto rows = dispatch_plan(p, uniform_nodes(3, 1), counts, DispatchRule::balanced);
+  const std::vector<int64_t> got = received_tokens(rows);
+  EXPECT_EQ(got, (std::vector<int64_t>{10, 8, 7}));
+  for (int s = 0; s < 3; ++s)
+    for (int e = 0; e < 4; ++e) EXPECT_EQ(std::accumulate(rows[s][e].begin(), rows[s][e].end(), int64_t{0}), counts[s][e]);
+  EXPECT_EQ(rows[1][3], (std::vector<int64_t>{0, 6, 0}));  // rank 1 keeps its own 6 of its 8
+  EXPECT_THROW(balanced_shares(p, {1, 2, 3}), std::logic_error);
+  EXPECT_THROW(balanced_shares(p, {1, 2, 3, -1}), std::logic_error);
+}
+
 TEST(Dispatch, RejectsBadInputs) {
   const LayerPlacement p = even_placement(2, 2);
   const Nodes nodes = uniform_nodes(2, 1);

@@ -209,13 +209,13 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
   const int E = p.n_experts();
   if (static_cast<int>(popularity.size()) != E) throw std::logic_error("lina_busiest_seconds: popularity is not [E]");
   std::vector<double> rank(p.n_ranks, 0.0);
+  const std::vector<std::vector<double>> shares = balanced_shares(p, popularity);
   for (int e = 0; e < E; ++e) {
     if (!(popularity[e] > 0)) continue;
-    // Holders split the tokens, but a holder that runs the expert runs at least one row: one token (or
-    // an estimate's fraction of one) cannot be halved, it lands whole on one holder.
-    const double share = std::max(popularity[e] / static_cast<double>(p.replicas[e].size()),
-                                  std::min(popularity[e], 1.0));
-    for (int r : p.replicas[e]) rank[r] += cost.expert_seconds(share);
+    // A holder that runs the expert runs at least one row: one token (or an estimate's fraction of
+    // one) cannot be split, it lands whole on one holder.
+    for (size_t i = 0; i < p.replicas[e].size(); ++i)
+      if (shares[e][i] > 0) rank[p.replicas[e][i]] += cost.expert_seconds(std::max(shares[e][i], std::min(popularity[e], 1.0)));
   }
   if (!(cost.noise_seconds > 0)) return *std::max_element(rank.begin(), rank.end());
   // Clark (1961): the first two moments of max(X, Y) for independent normal X, Y, the running maximum

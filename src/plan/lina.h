@@ -131,8 +131,9 @@ class LinaCurveFit {
   double squares_ = 0;          // sum of seconds^2
   double runs_ = 0;
 };
-// The busiest rank's time of placement p (LinaCost above): an expert's tokens split evenly over its
-// holders, each holder's share at least one token (or all of them, when fewer: a token is not split).
+// The busiest rank's time of placement p (LinaCost above): an expert's tokens split over its holders
+// as DispatchRule::balanced splits them (balanced_shares), each holder that gets a share running at
+// least one token (or all of them, when fewer: a token is not split).
 // With cost.noise_seconds > 0 the expected time of the slowest rank, each rank that runs an expert
 // taking its curve time plus independent normal noise of that spread (Clark's moments of the maximum
 // of normals, folded rank by rank): a replica that lifts a second rank next to the busiest one

@@ -130,33 +130,29 @@ void dispatch_nearest(const LayerPlacement& p, const Nodes& nodes, const std::ve
   }
 }
 
-void dispatch_even(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts,
-                   Rows* rows) {
+// The rows of a split in which holder d of expert e computes share[e][d] of its tokens (zero where d
+// does not hold e; each expert's shares sum to its tokens): a source that holds e keeps as many of its
+// own tokens as its share allows; the rest go, sources in ascending order, to holders with share left,
+// those on the source's node first, then ascending.
+void dispatch_by_shares(const LayerPlacement& p, const Nodes& nodes, const std::vector<std::vector<int64_t>>& counts,
+                        std::vector<std::vector<int64_t>> share, Rows* rows) {
   const int R = p.n_ranks, E = p.n_experts();
-  std::vector<int64_t> share(R), left(R);  // reused across experts
+  std::vector<int64_t> left(R);
   for (int e = 0; e < E; ++e) {
-    const auto& holders = p.replicas[e];
-    const int64_t n = static_cast<int64_t>(holders.size());
-    int64_t total = 0;
-    for (int s = 0; s < R; ++s) total += counts[s][e];
-    if (total == 0) continue;
-    std::fill(share.begin(), share.end(), 0);
-    for (int d : holders) share[d] = total / n;
-    for (int64_t i = 0; i < total % n; ++i) ++share[holders[(e + i) % n]];
     for (int s = 0; s < R; ++s) {
-      const int64_t keep = std::min(counts[s][e], share[s]);  // share[s] == 0 where s does not hold e
+      const int64_t keep = std::min(counts[s][e], share[e][s]);
       (*rows)[s][e][s] = keep;
-      share[s] -= keep;
+      share[e][s] -= keep;
       left[s] = counts[s][e] - keep;
     }
     for (const bool same_node_only : {true, false}) {
       for (int s = 0; s < R; ++s) {
-        for (int d : holders) {
+        for (int d : p.replicas[e]) {
           if (left[s] == 0) break;
           if (same_node_only && nodes.node_of_rank[d] != nodes.node_of_rank[s]) continue;
-          const int64_t moved = std::min(left[s], share[d]);
+          const int64_t moved = std::min(left[s], share[e][d]);
           (*rows)[s][e][d] += moved;
-          share[d] -= moved;
+          share[e][d] -= moved;
           left[s] -= moved;
         }
       }
@@ -164,7 +160,66 @@ void dispatch_even(const LayerPlacement& p, const Nodes& nodes, const std::vecto
   }
 }
 
+// Whole tokens from a real split: each holder its share rounded down, the tokens left one each to the
+// holders with the largest fractions (ties: holders in the order c[(e + i) % n], as under even).
+std::vector<int64_t> whole_shares(const std::vector<int>& holders, const std::vector<double>& share, int64_t total,
+                                  int e, int R) {
+  const int64_t n = static_cast<int64_t>(holders.size());
+  std::vector<int64_t> whole(R, 0);
+  std::vector<std::pair<double, int64_t>> fraction;  // (fraction, position in the rotated order)
+  int64_t given = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t at = (e + i) % n;
+    const double x = std::max(0.0, share[at]);
+    whole[holders[at]] = std::min(total - given, static_cast<int64_t>(std::floor(x)));
+    given += whole[holders[at]];
+    fraction.emplace_back(x - std::floor(x), i);
+  }
+  std::stable_sort(fraction.begin(), fraction.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (int64_t k = 0; given < total; k = (k + 1) % n, ++given) ++whole[holders[(e + fraction[k].second) % n]];
+  return whole;
+}
+
 }  // namespace
+
+std::vector<std::vector<double>> balanced_shares(const LayerPlacement& p, const std::vector<double>& tokens) {
+  detail::require_valid("balanced_shares", p);
+  const int R = p.n_ranks, E = p.n_experts();
+  if (static_cast<int>(tokens.size()) != E) violated("balanced_shares", "tokens must be [E]");
+  std::vector<std::vector<double>> share(E);
+  std::vector<double> load(R, 0.0);
+  std::vector<int> shared;  // experts with several holders
+  for (int e = 0; e < E; ++e) {
+    if (!(tokens[e] >= 0) || !std::isfinite(tokens[e])) violated("balanced_shares", "tokens must be finite, >= 0");
+    share[e].assign(p.replicas[e].size(), 0.0);
+    if (p.replicas[e].size() == 1) {
+      share[e][0] = tokens[e];
+      load[p.replicas[e][0]] += tokens[e];
+    } else {
+      shared.push_back(e);
+    }
+  }
+  std::stable_sort(shared.begin(), shared.end(), [&](int a, int b) { return tokens[a] > tokens[b]; });
+  for (int e : shared) {
+    // Pour tokens[e] onto its holders, the least loaded first, up to the level L where
+    // sum over holders of max(0, L - load) = tokens[e].
+    const std::vector<int>& holders = p.replicas[e];
+    std::vector<size_t> order(holders.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return load[holders[a]] < load[holders[b]]; });
+    double level = 0, below = 0;  // below: the loads of the holders under the level
+    for (size_t k = 0; k < order.size(); ++k) {
+      below += load[holders[order[k]]];
+      level = (tokens[e] + below) / static_cast<double>(k + 1);
+      if (k + 1 == order.size() || level <= load[holders[order[k + 1]]]) break;
+    }
+    for (size_t i = 0; i < holders.size(); ++i) {
+      share[e][i] = std::max(0.0, level - load[holders[i]]);
+      load[holders[i]] += share[e][i];
+    }
+  }
+  return share;
+}
 
 std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacement& p, const Nodes& nodes,
                                                              const std::vector<std::vector<int64_t>>& counts,
@@ -176,10 +231,26 @@ std::vector<std::vector<std::vector<int64_t>>> dispatch_plan(const LayerPlacemen
   detail::require_counts(kWhere, counts, R, E);
 
   Rows rows(R, std::vector<std::vector<int64_t>>(E, std::vector<int64_t>(R, 0)));
-  if (rule == DispatchRule::nearest)
+  if (rule == DispatchRule::nearest) {
     dispatch_nearest(p, nodes, counts, &rows);
-  else
-    dispatch_even(p, nodes, counts, &rows);
+    return rows;
+  }
+  std::vector<int64_t> total(E, 0);
+  for (int s = 0; s < R; ++s)
+    for (int e = 0; e < E; ++e) total[e] += counts[s][e];
+  std::vector<std::vector<int64_t>> share(E, std::vector<int64_t>(R, 0));
+  if (rule == DispatchRule::even) {
+    for (int e = 0; e < E; ++e) {
+      const auto& holders = p.replicas[e];
+      const int64_t n = static_cast<int64_t>(holders.size());
+      for (int d : holders) share[e][d] = total[e] / n;
+      for (int64_t i = 0; i < total[e] % n; ++i) ++share[e][holders[(e + i) % n]];
+    }
+  } else {
+    const std::vector<std::vector<double>> split = balanced_shares(p, std::vector<double>(total.begin(), total.end()));
+    for (int e = 0; e < E; ++e) share[e] = whole_shares(p.replicas[e], split[e], total[e], e, R);
+  }
+  dispatch_by_shares(p, nodes, counts, std::move(share), &rows);
   return rows;
 }
 

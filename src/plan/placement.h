@@ -73,8 +73,22 @@ std::vector<int> slowest_link_groups(const Nodes& nodes);
 //            those on the source's node first, then ascending. So only the tokens an even split must
 //            move cross ranks. Under nearest, a replica on a rank whose batch routes few tokens to e
 //            would take few of them, however many the other ranks route to e.
-// Without replicas (every expert on its owner only) both send every token to the owner.
-enum class DispatchRule { nearest, even };
+//   balanced Lina (serving): the holders of e split its tokens so that the ranks' loads level, as Lina's
+//            scheduler sets "how many tokens each replica should handle to balance the load"
+//            (balanced_shares; whole tokens: each share rounded down, the rest to the largest
+//            fractions), the tokens then moving as under even. An equal split lifts a rank that
+//            holds other experts' tokens above one that holds few: with 400 tokens of a hot expert
+//            on ranks loaded 100 and 200 by their own experts, even gives 300 and 400, balanced 350
+//            and 350.
+// Without replicas (every expert on its owner only) every rule sends every token to the owner.
+enum class DispatchRule { nearest, even, balanced };
+
+// DispatchRule::balanced's split of tokens [E] over p's holders: shares[e][i] is what p.replicas[e][i]
+// computes, summing to tokens[e]. A rank's load is first the tokens of the experts it alone holds;
+// then the experts with several holders, the most tokens first (ties: lower index), are poured onto
+// their holders, the least loaded first, up to the level that takes them all. Real-valued (an
+// estimate's expected counts). REQUIRES: p.validate() ok, tokens [E] finite and >= 0.
+std::vector<std::vector<double>> balanced_shares(const LayerPlacement& p, const std::vector<double>& tokens);
 
 // The token dispatch over placement p under `rule` (DispatchRule). Deterministic; every rank computes
 // the same plan from the same counts.

@@ -126,10 +126,11 @@ void InferenceEngine::set_schedule(Schedule s, const plan::PathProfile* profile,
   plan::Nodes nodes;
   nodes.node_of_rank.assign(world->size(), 0);
   model_.enable_placements(nodes, world);
-  // Lina's planner gives an expert's replicas equal shares of its tokens (plan::lina_busiest_seconds):
-  // dispatch them so. Hecate's rule (own rank first) lets a replica serve only its own rank's tokens.
+  // Lina's planner splits an expert's tokens over its replicas so as to level the ranks
+  // (plan::lina_busiest_seconds): dispatch them so. Hecate's rule (own rank first) lets a replica
+  // serve only its own rank's tokens.
   for (const Block& b : blocks_)
-    if (b.moe) b.moe->set_dispatch_rule(plan::DispatchRule::even);
+    if (b.moe) b.moe->set_dispatch_rule(plan::DispatchRule::balanced);
 }
 
 plan::LayerPlacement InferenceEngine::plan_block(int64_t m, const MoeLayer& moe, const std::vector<double>& popularity) {

@@ -113,8 +113,8 @@ class InferenceEngine {
   void forward(std::span<const Row> rows, float* logits);
 
   // Schedules other than ep replicate experts over `world`, the MoE layers' group (Model::
-  // set_expert_parallel(world, world)), every holder of an expert computing an equal share of its tokens
-  // (plan::DispatchRule::even); lina and lina_no_phase2 estimate from `profile` (not owned;
+  // set_expert_parallel(world, world)), the holders of an expert splitting its tokens so that the ranks
+  // level (plan::DispatchRule::balanced); lina and lina_no_phase2 estimate from `profile` (not owned;
   // outlives the engine; its layers are the model's MoE blocks). Call once, before serving's first
   // forward (start-up's profiling forwards run before it, under ep: serve::start_schedule), on every
   // rank alike. REQUIRES: the model expert-parallel over world (std::logic_error).
