@@ -117,8 +117,8 @@ std::string bench_checkpoint(const ScratchDir& scratch) {
   const std::string checkpoint = (scratch.path() / "ck").string();
   std::fprintf(stderr, "bench serve: training the bench's model (%s %s) for 300 steps on 2 ranks "
                        "(set MOE_BENCH_CHECKPOINT to skip)\n", kBenchModel, kHotExperts);
-  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 300 " + kBenchModel +
-                          " " + kHotExperts +
+  const std::string cmd = std::string(kMpirunEnv) + "mpirun -n 2 " + self_exe("moe") + " train --steps 300 " +
+                          kBenchModel + " " + kHotExperts +
                           " --log-every 50 --eval-batches 4 --threads 1 --checkpoint-dir " + checkpoint + " >&2";
   if (std::system(cmd.c_str()) != 0) {
     std::fprintf(stderr, "bench serve: training failed\n");

@@ -297,17 +297,18 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
   }
   if (!lead) return 0;
   report->note("every schedule runs the same forwards (the rows of every rank), one after another in each step, each "
-               "step starting one schedule further on; the first " + std::to_string(serve::InferenceEngine::kRefitForwards) +
+               "step starting one schedule further on; the first " +
+               std::to_string(serve::InferenceEngine::kRefitForwards) +
                " forwards (a Lina curve's first refit) are not counted");
   report->note("forward: the slowest rank's wall time of the forward, after a barrier; all forwards / ep: their sum "
                "over ep's; median forward / ep's: the median over the forwards of each one's time over ep's on the same "
                "rows; forwards faster than ep: how many of them were");
   report->note("schedule: rank 0's time a forward in Lina's own work (estimate, plans, placing, waiting for a "
                "gather; serve::StageSeconds)");
-  report->note("experts slowest / mean rank: per forward, each MoE layer's slowest rank's expert time summed over the "
-               "layers, and the ranks' mean likewise (time imbalance: their ratio); imbalance: the busiest rank's expert "
-               "rows over the ranks' mean; replicas, gathered (rank 0's weights sent and received), estimate right and "
-               "re-planned as in bench serve");
+  report->note("experts slowest / mean rank: per forward, each MoE layer's slowest rank's expert time summed over "
+               "the layers, and the ranks' mean likewise (time imbalance: their ratio); imbalance: the busiest rank's "
+               "expert rows over the ranks' mean; replicas, gathered (rank 0's weights sent and received), estimate "
+               "right and re-planned as in bench serve");
   report->note("ideal computes another function (a balanced gate): its forwards are the same rows, not the same "
                "routing");
   return report->finish(0);

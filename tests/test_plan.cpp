@@ -412,7 +412,8 @@ TEST(Dispatch, BalancedPoursTheLargestSharedExpertFirstAndRoundsToWholeTokens) {
   const std::vector<int64_t> got = received_tokens(rows);
   EXPECT_EQ(got, (std::vector<int64_t>{10, 8, 7}));
   for (int s = 0; s < 3; ++s)
-    for (int e = 0; e < 4; ++e) EXPECT_EQ(std::accumulate(rows[s][e].begin(), rows[s][e].end(), int64_t{0}), counts[s][e]);
+    for (int e = 0; e < 4; ++e)
+      EXPECT_EQ(std::accumulate(rows[s][e].begin(), rows[s][e].end(), int64_t{0}), counts[s][e]);
   EXPECT_EQ(rows[1][3], (std::vector<int64_t>{0, 6, 0}));  // rank 1 keeps its own 6 of its 8
   EXPECT_THROW(balanced_shares(p, {1, 2, 3}), std::logic_error);
   EXPECT_THROW(balanced_shares(p, {1, 2, 3, -1}), std::logic_error);

@@ -173,7 +173,8 @@ TEST(EngineChild, ReplicaCacheKeepsTheMathematicsAndGathersLess) {
     // Lina's replicas take the shares of their expert's tokens that level the ranks, the load its
     // planner prices.
     const bool replicates = schedule != moe::serve::Schedule::ep && schedule != moe::serve::Schedule::ideal;
-    const moe::plan::DispatchRule rule = replicates ? moe::plan::DispatchRule::balanced : moe::plan::DispatchRule::nearest;
+    const moe::plan::DispatchRule rule =
+        replicates ? moe::plan::DispatchRule::balanced : moe::plan::DispatchRule::nearest;
     for (int64_t l = 0; l < cfg.n_layers; ++l) {
       if (moe::MoeLayer* moe = model.moe_layer(l)) {
         EXPECT_EQ(moe->dispatch_rule(), rule) << "block " << l;

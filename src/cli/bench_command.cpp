@@ -11,13 +11,14 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                 "benchmark: moe-layer, decode, serve, serve-replay, collectives (under mpirun), ep-training, "
                 "sparse-collectives (under mpirun), "
                 "transfer-cpu (under mpirun, one rank per host), strategies, "
-                "cluster-collectives, cluster-ep-training, cluster-strategies, cluster-serve, cluster-serve-replay (root: emulated cluster), sim, sim-fidelity, sim-strategies, "
+                "cluster-collectives, cluster-ep-training, cluster-strategies, cluster-serve, cluster-serve-replay "
+                "(root: emulated cluster), sim, sim-fidelity, sim-strategies, "
                 "cuda (GPU kernels; needs a CUDA build and a GPU)")
       ->required()
-      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "serve-replay", "collectives", "ep-training", "sparse-collectives",
-                             "transfer-cpu", "strategies",
-                             "cluster-collectives", "cluster-ep-training", "cluster-strategies", "cluster-serve", "cluster-serve-replay", "sim", "sim-fidelity",
-                             "sim-strategies", "cuda"}));
+      ->check(CLI::IsMember({"moe-layer", "decode", "serve", "serve-replay", "collectives", "ep-training",
+                             "sparse-collectives", "transfer-cpu", "strategies", "cluster-collectives",
+                             "cluster-ep-training", "cluster-strategies", "cluster-serve", "cluster-serve-replay", "sim",
+                             "sim-fidelity", "sim-strategies", "cuda"}));
   c->add_option("--threads", f->threads, "compute threads")->check(CLI::PositiveNumber);
   c->add_option("--repeats", f->repeats,
                 "timed repetitions or interleaved rounds (the median is reported; default 5, cluster-strategies 2)")

@@ -214,8 +214,9 @@ double lina_busiest_seconds(const LayerPlacement& p, const std::vector<double>& 
     if (!(popularity[e] > 0)) continue;
     // A holder that runs the expert runs at least one row: one token (or an estimate's fraction of
     // one) cannot be split, it lands whole on one holder.
+    const double whole = std::min(popularity[e], 1.0);
     for (size_t i = 0; i < p.replicas[e].size(); ++i)
-      if (shares[e][i] > 0) rank[p.replicas[e][i]] += cost.expert_seconds(std::max(shares[e][i], std::min(popularity[e], 1.0)));
+      if (shares[e][i] > 0) rank[p.replicas[e][i]] += cost.expert_seconds(std::max(shares[e][i], whole));
   }
   if (!(cost.noise_seconds > 0)) return *std::max_element(rank.begin(), rank.end());
   // Clark (1961): the first two moments of max(X, Y) for independent normal X, Y, the running maximum

@@ -206,7 +206,8 @@ std::vector<std::vector<double>> balanced_shares(const LayerPlacement& p, const 
     const std::vector<int>& holders = p.replicas[e];
     std::vector<size_t> order(holders.size());
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return load[holders[a]] < load[holders[b]]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return load[holders[a]] < load[holders[b]]; });
     double level = 0, below = 0;  // below: the loads of the holders under the level
     for (size_t k = 0; k < order.size(); ++k) {
       below += load[holders[order[k]]];
