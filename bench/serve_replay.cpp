@@ -49,6 +49,11 @@ const std::vector<Schedule>& replay_schedules() {
                                           Schedule::lina_no_phase2};
   return s;
 }
+// ep's place in replay_schedules(): the reference every forward is compared with.
+size_t ep_index() {
+  const std::vector<Schedule>& s = replay_schedules();
+  return static_cast<size_t>(std::find(s.begin(), s.end(), Schedule::ep) - s.begin());
+}
 
 // The forwards every schedule runs: `clients` sequences in flight, placed and batched as serve's
 // scheduler does (server.cpp: running sequences first, then new prompts to admission_rank's choice
@@ -174,7 +179,8 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
       reps.push_back(std::move(r));
     }
     // One profile and one price for every Lina schedule, measured on ep's engine (serve's start-up).
-    serve::InferenceEngine& ep_engine = *reps[1].engine;
+    const size_t ep = ep_index();
+    serve::InferenceEngine& ep_engine = *reps[ep].engine;
     plan::PathProfile profile(ep_engine.moe_blocks(), ep_engine.config().n_experts);
     check(serve::profile_routing(ep_engine, world, corpus, 64, &profile));
     plan::LinaCost cost;
@@ -247,7 +253,6 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
       }
     }
     if (!lead) continue;
-    const size_t ep = 1;
     char title[256];
     std::snprintf(title, sizeof title, "%s: %d-%d prompt bytes, %lld new tokens, %d slots per rank, %d in flight; "
                   "%.1f rows a forward", w.name.c_str(), w.prompt_min, w.prompt_max,

@@ -35,10 +35,22 @@ TEST(LinaProfile, APathPredictsItsNextLayer) {
   p.distribution(2, std::vector<int32_t>{1, 2}, &d);  // started at expert 1: layer 2 chooses 3 and 0
   EXPECT_EQ(d, (std::vector<double>{0.5, 0, 0, 0.5}));
   // Estimate of a batch of 3 such tokens and one started at 0 (layer 2: experts 2 and 3), top-2 each.
-  const std::vector<double> pop = p.estimate(2, {{1, 2}, {1, 2}, {1, 2}, {0, 1}}, 2);
+  const std::vector<int32_t> paths{1, 2, 1, 2, 1, 2, 0, 1};  // [4][2]
+  const std::vector<double> pop = p.estimate(2, paths, 2, 2);
   EXPECT_EQ(pop, (std::vector<double>{1.5, 0, 0.5, 2.0}));
   // Top-1 keeps one expert per token (ties to the lower index): 0 for the first three, 2 for the last.
-  EXPECT_EQ(p.estimate(2, {{1, 2}, {1, 2}, {1, 2}, {0, 1}}, 1), (std::vector<double>{1.5, 0, 0.5, 0}));
+  EXPECT_EQ(p.estimate(2, paths, 2, 1), (std::vector<double>{1.5, 0, 0.5, 0}));
+  // The tokens that share a path are looked up once: the sum is the same token by token.
+  std::vector<double> one_by_one(4, 0.0);
+  for (size_t t = 0; t < 4; ++t) {
+    const std::vector<double> alone = p.estimate(2, std::span<const int32_t>(paths).subspan(2 * t, 2), 2, 2);
+    for (int e = 0; e < 4; ++e) one_by_one[e] += alone[e];
+  }
+  EXPECT_EQ(one_by_one, pop);
+  // Only the last path_length choices count, and a choice out of range is found nowhere, whatever it is.
+  EXPECT_EQ(p.estimate(2, std::vector<int32_t>{7, 1, 2}, 3, 2), p.estimate(2, std::vector<int32_t>{1, 2}, 2, 2));
+  EXPECT_EQ(p.estimate(2, std::vector<int32_t>{9, 2}, 2, 2), p.estimate(2, std::vector<int32_t>{-3, 2}, 2, 2));
+  EXPECT_THROW(p.estimate(2, std::vector<int32_t>{1, 2, 3}, 2, 2), std::logic_error);
 }
 
 TEST(LinaProfile, RarePathsBackOffToShorterOnesThenTheMarginal) {

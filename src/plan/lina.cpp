@@ -6,6 +6,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 namespace moe::plan {
 
@@ -51,11 +52,34 @@ void PathProfile::distribution(int64_t l, std::span<const int32_t> previous, std
   }
 }
 
-std::vector<double> PathProfile::estimate(int64_t l, const std::vector<std::vector<int32_t>>& paths, int64_t k) const {
+std::vector<double> PathProfile::estimate(int64_t l, std::span<const int32_t> paths, int64_t path_len,
+                                          int64_t k) const {
+  if (path_len < 1 || paths.size() % static_cast<size_t>(path_len) != 0)
+    throw std::logic_error("PathProfile::estimate: REQUIRES paths [N][path_len], path_len >= 1");
+  // distribution() reads the last min(path_length, l) choices: those key the tokens that share one.
+  // Choices out of range are found in no profile, whatever their value: one key for all of them.
+  const int64_t tail = std::min<int64_t>({path_length_, l, path_len});
+  const int64_t N = static_cast<int64_t>(paths.size()) / path_len;
+  const bool keyed = tail * std::log2(static_cast<double>(E_) + 1) < 62;
+  std::unordered_map<uint64_t, std::vector<double>> seen;  // key -> the token's top-k share of P(e | path)
   std::vector<double> pop(E_, 0.0), p;
-  for (const std::vector<int32_t>& path : paths) {
-    distribution(l, path, &p);
-    for (int e : top_experts(p, k)) pop[e] += p[e];
+  for (int64_t t = 0; t < N; ++t) {
+    const std::span<const int32_t> path = paths.subspan(t * path_len, path_len);
+    uint64_t key = 0;
+    for (int64_t i = path_len - tail; keyed && i < path_len; ++i)
+      key = key * static_cast<uint64_t>(E_ + 1) + static_cast<uint64_t>(path[i] >= 0 && path[i] < E_ ? path[i] : E_);
+    auto it = keyed ? seen.find(key) : seen.end();
+    if (it == seen.end()) {
+      distribution(l, path, &p);
+      std::vector<double> share(E_, 0.0);
+      for (int e : top_experts(p, k)) share[e] = p[e];
+      if (!keyed) {
+        for (int64_t e = 0; e < E_; ++e) pop[e] += share[e];
+        continue;
+      }
+      it = seen.emplace(key, std::move(share)).first;
+    }
+    for (int64_t e = 0; e < E_; ++e) pop[e] += it->second[e];
   }
   return pop;
 }

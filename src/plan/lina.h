@@ -47,8 +47,11 @@ class PathProfile {
   void distribution(int64_t l, std::span<const int32_t> previous, std::vector<double>* p) const;
 
   // Lina's Eq. 1 for a batch: sum over its tokens of P(e | path) restricted to each distribution's top
-  // k experts (ties to the lower expert). paths[t]: token t's first choices before l. [E].
-  std::vector<double> estimate(int64_t l, const std::vector<std::vector<int32_t>>& paths, int64_t k) const;
+  // k experts (ties to the lower expert). paths: [N][path_len] row-major, token t's first choices at
+  // the MoE layers before l (oldest first). Tokens whose last path_length choices agree share one
+  // distribution, looked up once per call (a serving step's hundreds of tokens take a few dozen
+  // paths). [E]. REQUIRES: path_len >= 1, paths.size() a multiple of it (std::logic_error).
+  std::vector<double> estimate(int64_t l, std::span<const int32_t> paths, int64_t path_len, int64_t k) const;
 
  private:
   int64_t L_, E_;

@@ -247,12 +247,13 @@ void InferenceEngine::scheduled_moe(int64_t l, int64_t m, int64_t N, std::future
   next_estimate_.clear();
   if (estimates() && m + 1 < n_moe_) {
     const std::vector<int32_t>& first = moe->routing().expert;  // [N*K], this block's choices
-    std::vector<std::vector<int32_t>> paths(N);
+    std::vector<int32_t>& paths = paths_;  // [N][m+1]: each row's first choices up to this block
+    paths.resize(N * (m + 1));
     for (int64_t n = 0; n < N; ++n) {
-      for (int64_t j = 0; j < m; ++j) paths[n].push_back(routes_[n * stride + j * K]);
-      paths[n].push_back(first[n * K]);
+      for (int64_t j = 0; j < m; ++j) paths[n * (m + 1) + j] = routes_[n * stride + j * K];
+      paths[n * (m + 1) + m] = first[n * K];
     }
-    next_estimate_ = profile_->estimate(m + 1, paths, K);
+    next_estimate_ = profile_->estimate(m + 1, paths, m + 1, K);
   }
   last_stages_.schedule += seconds_since(t);
   t = Clock::now();

@@ -197,6 +197,7 @@ class InferenceEngine {
   std::vector<std::vector<int64_t>> loads_;  // [L][E]
   int64_t n_moe_ = 0;
   std::vector<int32_t> routes_;  // [N][Lm*K]
+  std::vector<int32_t> paths_;   // [N][m+1] phase 1's paths at MoE block m's gate (scratch)
   Schedule schedule_ = Schedule::ep;
   const plan::PathProfile* profile_ = nullptr;
   comm::Communicator* world_ = nullptr;
