@@ -198,7 +198,6 @@ double metric(const std::string& text, const std::string& name) {
   return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + name.size() + 2);
 }
 
-
 // One workload's table: ep's closed-loop throughput, then every schedule on the same Poisson trace at
 // 70% of it (or at fixed_rate when > 0, without the closed loop), opt.repeats rounds interleaved.
 // Returns false when a server did not start.

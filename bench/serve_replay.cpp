@@ -129,7 +129,7 @@ class Batches {
 };
 
 // One schedule's model and engine on this rank.
-struct Replica {
+struct Contender {
   Schedule schedule;
   std::unique_ptr<Model> model;
   std::unique_ptr<serve::InferenceEngine> engine;
@@ -169,23 +169,23 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
   for (const Workload& w : serve_workloads()) {
     std::vector<Prompt> prompts;
     check(make_prompts(w, w.max_tokens, &prompts));
-    std::vector<Replica> reps;
+    std::vector<Contender> contenders;
     int64_t max_rows = 0;
     for (Schedule s : replay_schedules()) {
-      Replica r{s, nullptr, nullptr, {}, {}};
+      Contender r{s, nullptr, nullptr, {}, {}};
       check(serve::load_inference_model(o.checkpoint, w.slots_per_rank, &r.model, nullptr, &max_rows));
       r.model->set_expert_parallel(world, world);
       r.engine = std::make_unique<serve::InferenceEngine>(*r.model, w.slots_per_rank, max_rows);
-      reps.push_back(std::move(r));
+      contenders.push_back(std::move(r));
     }
     // One profile and one price for every Lina schedule, measured on ep's engine (serve's start-up).
     const size_t ep = ep_index();
-    serve::InferenceEngine& ep_engine = *reps[ep].engine;
+    serve::InferenceEngine& ep_engine = *contenders[ep].engine;
     plan::PathProfile profile(ep_engine.moe_blocks(), ep_engine.config().n_experts);
     check(serve::profile_routing(ep_engine, world, corpus, 64, &profile));
     plan::LinaCost cost;
     check(serve::measure_lina_cost(ep_engine, world, &cost));
-    for (Replica& r : reps) {
+    for (Contender& r : contenders) {
       r.engine->set_schedule(r.schedule, &profile, world);
       if (r.schedule != Schedule::ep && r.schedule != Schedule::ideal) {
         r.engine->set_lina_cost(cost);
@@ -198,7 +198,7 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
     const int64_t L = ep_engine.moe_blocks();
     Batches batches(prompts, w, R, max_rows, T);
     const int64_t warmup = serve::InferenceEngine::kRefitForwards, timed = opt.repeats * kForwardsPerRound;
-    const size_t K = reps.size();
+    const size_t K = contenders.size();
     std::vector<serve::Row> mine;
     std::vector<float> logits;
     int64_t rows_total = 0;
@@ -209,7 +209,7 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
         if (p.rank == world->rank()) mine.push_back(p.row);
       logits.resize(std::max<size_t>(1, mine.size()) * V);
       for (size_t j = 0; j < K; ++j) {
-        Replica& r = reps[(static_cast<size_t>(step) + j) % K];
+        Contender& r = contenders[(static_cast<size_t>(step) + j) % K];
         check(world->barrier());
         const Clock::time_point t0 = Clock::now();
         r.engine->forward(mine, logits.data());
@@ -222,7 +222,7 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
       if (step >= warmup) rows_total += static_cast<int64_t>(rows.size());
       batches.advance();
       if (step + 1 == warmup)
-        for (Replica& r : reps) r.engine->reset_counters();
+        for (Contender& r : contenders) r.engine->reset_counters();
       if (lead && (step + 1) % 100 == 0)
         std::fprintf(stderr, "bench serve-replay: %s, forward %lld of %lld\n", w.name.c_str(),
                      static_cast<long long>(step + 1), static_cast<long long>(warmup + timed));
@@ -235,7 +235,7 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
     };
     std::vector<Figures> fig(K);
     for (size_t k = 0; k < K; ++k) {
-      const Replica& r = reps[k];
+      const Contender& r = contenders[k];
       std::vector<float> all_seconds(r.seconds.size() * R), all_blocks(r.block_seconds.size() * R);
       check(world->allgather(r.seconds.data(), static_cast<int64_t>(r.seconds.size()), all_seconds.data()));
       check(world->allgather(r.block_seconds.data(), static_cast<int64_t>(r.block_seconds.size()), all_blocks.data()));
@@ -276,7 +276,7 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
     const double ep_total = std::accumulate(fig[ep].forward_s.begin(), fig[ep].forward_s.end(), 0.0);
     for (size_t k = 0; k < K; ++k) {
       const Figures& f = fig[k];
-      const serve::ScheduleStats& st = reps[k].engine->schedule_stats();
+      const serve::ScheduleStats& st = contenders[k].engine->schedule_stats();
       std::vector<double> ratio;
       int64_t faster = 0;
       for (int64_t i = 0; i < timed; ++i) {
@@ -285,13 +285,14 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
       }
       const double total = std::accumulate(f.forward_s.begin(), f.forward_s.end(), 0.0);
       const double nan = std::nan("");
-      const bool lina = k != ep && reps[k].schedule != Schedule::ideal;
-      const bool estimates = reps[k].schedule == Schedule::lina || reps[k].schedule == Schedule::lina_no_phase2;
+      const Schedule schedule = contenders[k].schedule;
+      const bool lina = k != ep && schedule != Schedule::ideal;
+      const bool estimates = schedule == Schedule::lina || schedule == Schedule::lina_no_phase2;
       const double layers = static_cast<double>(std::max<int64_t>(1, st.layer_steps));
-      report->row({std::string(serve::schedule_name(reps[k].schedule)), median(f.forward_s) * 1e3,
+      report->row({std::string(serve::schedule_name(schedule)), median(f.forward_s) * 1e3,
                    total / static_cast<double>(timed) * 1e3, total / ep_total, k == ep ? 1.0 : median(ratio),
                    k == ep ? nan : 100.0 * static_cast<double>(faster) / static_cast<double>(timed),
-                   reps[k].engine->stage_seconds().schedule / static_cast<double>(timed) * 1e3,
+                   contenders[k].engine->stage_seconds().schedule / static_cast<double>(timed) * 1e3,
                    f.busiest_experts * 1e3, f.mean_experts * 1e3, f.busiest_experts / f.mean_experts,
                    st.mean_rank_rows > 0 ? static_cast<double>(st.busiest_rank_rows) / st.mean_rank_rows : nan,
                    lina ? static_cast<double>(st.replicas) / layers : nan,
