@@ -27,8 +27,13 @@ struct PairedRounds {
   double lowest = 0, highest = 0;
   int64_t below = 0;
   double median = 0;
+  // The sign test's one-sided p: the chance of `below` or more of the rounds below the reference if
+  // either were as likely to be lower (Binomial(rounds, 1/2)); 2^-n where all n are below.
+  double sign_p = 1;
 };
 PairedRounds paired_rounds(const std::vector<double>& x, const std::vector<double>& ref);
+// P(Binomial(n, 1/2) >= below): the sign test's one-sided p. REQUIRES: 0 <= below <= n.
+double sign_test_p(int64_t below, int64_t n);
 // bench/torch_moe_layer_peer.py: under $MOE_BENCH_DIR if set, else in the source tree moe was built from.
 std::string torch_peer_script();
 // A fresh directory under the temp directory ("<prefix><pid>"), removed with its contents when this
@@ -59,7 +64,9 @@ struct BenchOptions {
   bool skip_torch = false; // leave out the PyTorch peer rows
   bool json = false;       // the report as one JSON document (bench/report.h)
   std::string html;        // strategies, cluster-strategies: also draw their runs' metrics (moe report) here
-  std::string only;        // cluster-strategies: only configurations whose name (2x1-1gbit-skew1.5) contains it
+  std::string only;        // cluster-strategies: only configurations whose name (2x1-1gbit-skew1.5) contains it;
+                           // serve, cluster-serve: only the workloads whose name (chat, long prompts) does
+  std::vector<std::string> schedules;  // serve, cluster-serve: the schedules to run (ep among them); empty: all
   std::vector<double> rates;  // serve, cluster-serve: arrivals per second per workload (chat, long prompts);
                               // empty: 70% of ep's closed-loop throughput, measured first
   std::string keep;        // cluster-strategies: copy the runs' files and calibrated clusters to this folder

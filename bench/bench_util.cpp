@@ -96,7 +96,16 @@ PairedRounds paired_rounds(const std::vector<double>& x, const std::vector<doubl
     p.below += x[i] < ref[i];
   }
   p.median = median(ratios);
+  p.sign_p = sign_test_p(p.below, static_cast<int64_t>(x.size()));
   return p;
+}
+
+double sign_test_p(int64_t below, int64_t n) {
+  // Sum over k = below..n of C(n, k) / 2^n, the binomial coefficients built up term by term in logs.
+  double p = 0;
+  for (int64_t k = below; k <= n; ++k)
+    p += std::exp(std::lgamma(n + 1.0) - std::lgamma(k + 1.0) - std::lgamma(n - k + 1.0) - n * std::log(2.0));
+  return std::min(1.0, p);
 }
 
 void check(const Status& st) {

@@ -68,12 +68,18 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char* kHotExperts = "--router-skew 1.5 --aux-loss-weight 0.001";  // see the top of the file
 constexpr const char* kBenchModel = "--d-model 256 --d-ffn 1024";                  // likewise
+constexpr double kRoundSeconds = 15;  // a schedule's arrivals in one round
 
 }  // namespace
 
 const std::vector<Workload>& serve_workloads() {
   static const std::vector<Workload> w = {{"chat", 32, 64, 48, 8, 8}, {"long prompts", 96, 120, 8, 32, 32}};
   return w;
+}
+
+const std::vector<std::string>& serve_schedules() {
+  static const std::vector<std::string> s = {"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"};
+  return s;
 }
 
 Status make_prompts(const Workload& w, int64_t continuation_bytes, std::vector<Prompt>* out) {
@@ -208,7 +214,9 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
     std::fprintf(stderr, "bench serve: %s\n", s.message().c_str());
     return false;
   }
-  const std::vector<std::string> schedules = {"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"};
+  const std::vector<std::string>& schedules = opt.schedules.empty() ? serve_schedules() : opt.schedules;
+  const size_t ep = std::find(schedules.begin(), schedules.end(), "ep") - schedules.begin();
+  const size_t ideal = std::find(schedules.begin(), schedules.end(), "ideal") - schedules.begin();
 
   // Closed loop on ep: w.clients back to back for 8 s, for the throughput the open loop is sized by.
   double closed_rate = 0;
@@ -264,7 +272,7 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
       const Clock::time_point t1 = Clock::now();
       std::vector<std::thread> clients;
       double arrival = 0;
-      for (int i = 0; arrival < 15.0; ++i, arrival += gap(rng)) {
+      for (int i = 0; arrival < kRoundSeconds; ++i, arrival += gap(rng)) {
         const Clock::time_point when = t1 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival));
         std::this_thread::sleep_until(when);
         clients.emplace_back([&, i, when] {
@@ -324,22 +332,26 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
   report.table(title, {{"schedule", "", 0, 18}, {"requests", "", 0}, {"failed", "", 0}, {"latency p50", "ms", 0},
                        {"p95", "ms", 0}, {"p95 rounds min", "ms", 0}, {"p95 rounds max", "ms", 0}, {"p99 all", "ms", 0},
                        {"p50 / ideal", "x", 2}, {"p95 / ideal", "x", 2}, {"p95 / ep", "x", 2},
-                       {"p95 / ep rounds min", "x", 2}, {"p95 / ep rounds max", "x", 2}, {"rounds below ep", "", 0},
+                       {"p95 / ep median round", "x", 2}, {"p95 / ep rounds min", "x", 2},
+                       {"p95 / ep rounds max", "x", 2}, {"rounds below ep", "", 0}, {"sign test p", "", 4},
                        {"first token p95", "ms", 0}, {"imbalance", "x", 2}, {"estimate right", "%", 0},
                        {"re-planned", "%", 0}, {"replicas", "", 2}, {"cached", "", 2}, {"gathered", "MB", 1}});
   // p50 and p95: the median over the rounds of each round's quantile, so one disturbed round (this
   // machine is shared) moves a figure less than a quantile over every round's requests would.
   auto median = [](const std::vector<double>& v) { return quantile(v, 0.5); };
-  const double ideal_p50 = median(results[0].round_p50), ideal_p95 = median(results[0].round_p95);
-  const double ep_p95 = median(results[1].round_p95);
+  const double nan = std::nan("");
+  const double ideal_p50 = ideal < schedules.size() ? median(results[ideal].round_p50) : nan;
+  const double ideal_p95 = ideal < schedules.size() ? median(results[ideal].round_p95) : nan;
+  const double ep_p95 = median(results[ep].round_p95);
   for (size_t k = 0; k < schedules.size(); ++k) {
     const Result& r = results[k];
-    const double nan = std::nan("");
     const double p50 = median(r.round_p50), p95 = median(r.round_p95);
-    const PairedRounds paired = paired_rounds(r.round_p95, results[1].round_p95);  // against ep, round by round
+    PairedRounds paired = paired_rounds(r.round_p95, results[ep].round_p95);  // against ep, round by round
+    if (k == ep) paired = {nan, nan, 0, nan, nan};
     report.row({schedules[k], r.requests, r.failed, p50, p95, *std::min_element(r.round_p95.begin(), r.round_p95.end()),
                 *std::max_element(r.round_p95.begin(), r.round_p95.end()), quantile(r.latency, 0.99), p50 / ideal_p50,
-                p95 / ideal_p95, p95 / ep_p95, paired.lowest, paired.highest, paired.below, quantile(r.first_token, 0.95),
+                p95 / ideal_p95, p95 / ep_p95, paired.median, paired.lowest, paired.highest, paired.below, paired.sign_p,
+                quantile(r.first_token, 0.95),
                 r.mean_rows > 0 ? r.busiest_rows / r.mean_rows : nan,
                 r.estimated > 0 ? 100 * r.accurate / r.estimated : nan, r.estimated > 0 ? 100 * r.replans / r.estimated : nan,
                 r.layer_forwards > 0 ? r.replicas / r.layer_forwards : nan,
@@ -355,7 +367,7 @@ bool run_workload(const Place& at, const std::string& checkpoint, const Workload
                 {"exchange", "ms", 3}, {"gate", "ms", 3}, {"schedule", "ms", 3}, {"other", "ms", 3},
                 {"forward / ep", "x", 2}, {"experts busiest rank", "ms", 3}, {"experts mean rank", "ms", 3},
                 {"time imbalance", "x", 2}});
-  const double ep_forward = results[1].forwards > 0 ? results[1].fwd_total / results[1].forwards : std::nan("");
+  const double ep_forward = results[ep].forwards > 0 ? results[ep].fwd_total / results[ep].forwards : nan;
   for (size_t k = 0; k < schedules.size(); ++k) {
     const Result& r = results[k];
     const double per = r.forwards > 0 ? 1e3 / r.forwards : std::nan("");
@@ -389,6 +401,15 @@ class NetnsGuard {
   bool entered_ = false;
 };
 
+// False, said on stderr, where --only leaves no workload.
+bool some_workload_matches(const BenchOptions& opt, const char* bench) {
+  if (std::any_of(serve_workloads().begin(), serve_workloads().end(),
+                  [&](const Workload& w) { return w.name.find(opt.only) != std::string::npos; }))
+    return true;
+  std::fprintf(stderr, "moe bench %s: no workload's name contains \"%s\" (chat, long prompts)\n", bench, opt.only.c_str());
+  return false;
+}
+
 int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch, const std::string& checkpoint) {
   BenchOptions shown = opt;  // the header's threads: each server rank's (start_server's --threads 1)
   shown.threads = 1;
@@ -399,6 +420,7 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
   const std::string log = (scratch.path() / "serve.log").string();
   for (size_t i = 0; i < serve_workloads().size(); ++i) {
     const Workload& w = serve_workloads()[i];
+    if (w.name.find(opt.only) == std::string::npos) continue;
     const double fixed_rate = opt.rates.empty() ? 0 : opt.rates[i];
     if (!run_workload(at, checkpoint, w, fixed_rate, opt, log + "." + std::to_string(w.slots_per_rank), report)) return 1;
   }
@@ -410,8 +432,9 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
               "replicas held but unused by the plan (the replica cache, --replica-cache) per MoE layer forward; "
               "gathered: expert weights rank 0 sent and received for them (the schedule's /metrics)");
   report.note("p95 / ep rounds: each round's p95 over ep's in the same round (rounds interleave the schedules, each "
-              "round starting one schedule further on); rounds "
-              "below ep: how many of them are under 1 (all n of n by chance alone: p = 2^-n); imbalance: the busiest "
+              "round starting one schedule further on), their median, lowest and highest; rounds below ep: how many "
+              "of them are under 1; sign test p: the chance of at least that many by chance alone, were the schedule "
+              "as likely above ep's p95 as below (2^-n for all n of n); imbalance: the busiest "
               "rank's expert rows over the ranks' mean, summed over MoE layer forwards (what a replica evens out)");
   report.note("where the time went: rank 0's wall time in model forwards (one per serving step) split into its "
               "experts' computation, the token exchange (layout, both all-to-alls, combine: waiting for a busier rank "
@@ -434,6 +457,7 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
 }  // namespace
 
 int serve(const BenchOptions& opt) {
+  if (!some_workload_matches(opt, "serve")) return 2;
   const ScratchDir scratch("moe_bench_serve_");
   const std::string checkpoint = bench_checkpoint(scratch);
   if (checkpoint.empty()) return 1;
@@ -443,6 +467,7 @@ int serve(const BenchOptions& opt) {
 }
 
 int cluster_serve(const BenchOptions& opt) {
+  if (!some_workload_matches(opt, "cluster-serve")) return 2;
   const ScratchDir scratch("moe_bench_serve_");
   const std::string checkpoint = bench_checkpoint(scratch);
   if (checkpoint.empty()) return 1;

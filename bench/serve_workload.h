@@ -28,6 +28,8 @@ struct Workload {
 };
 // chat (32-64 prompt bytes, 48 new tokens, 8 slots per rank) and long prompts (96-120, 8, 32).
 const std::vector<Workload>& serve_workloads();
+// bench serve's schedules, all of `moe serve --schedule`'s: ideal, ep, lina, lina-no-estimate, lina-no-phase2.
+const std::vector<std::string>& serve_schedules();
 
 // 400 prompts of w's lengths: windows of the Python docs' validation split and, one in five, of the
 // GPL-3, each with the continuation_bytes that follow it in its text (the same prompts whatever

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 
 #include "bench/bench.h"
@@ -30,7 +31,12 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                 "(cluster-strategies: one page per configuration, FILE's name with the configuration inserted)");
   c->add_option("--only", f->only,
                 "cluster-strategies: only the configurations whose name contains TEXT (names such as 2x1-1gbit-skew1.5, "
-                "2x2-10gbit-skew0)");
+                "2x2-10gbit-skew0); serve, cluster-serve: only the workloads whose name contains it (chat, long prompts)");
+  c->add_option("--schedules", f->schedules,
+                "serve, cluster-serve: only these schedules, ep among them (the reference), e.g. ep,lina for more "
+                "rounds of the pair in the same time (default: ideal, ep, lina, lina-no-estimate, lina-no-phase2)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"}));
   c->add_option("--keep", f->keep,
                 "cluster-strategies: copy every run's metrics, the calibration runs and each configuration's "
                 "calibrated cluster JSON to DIR, with runs.tsv saying which file is which run");
@@ -49,8 +55,18 @@ int run_bench(const BenchFlags& f) {
                  f.name.c_str());
     return 2;
   }
-  if (!f.only.empty() && f.name != "cluster-strategies") {
-    std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies\n", f.name.c_str());
+  const bool serving = f.name == "serve" || f.name == "cluster-serve";
+  if (!f.only.empty() && f.name != "cluster-strategies" && !serving) {
+    std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies, serve and cluster-serve\n", f.name.c_str());
+    return 2;
+  }
+  if (!f.schedules.empty() && !serving) {
+    std::fprintf(stderr, "moe bench %s: --schedules is for serve and cluster-serve\n", f.name.c_str());
+    return 2;
+  }
+  if (!f.schedules.empty() && std::find(f.schedules.begin(), f.schedules.end(), "ep") == f.schedules.end()) {
+    std::fprintf(stderr, "moe bench %s: --schedules must include ep, the reference every schedule is compared with\n",
+                 f.name.c_str());
     return 2;
   }
   if (!f.keep.empty() && f.name != "cluster-strategies") {
@@ -69,7 +85,7 @@ int run_bench(const BenchFlags& f) {
   // cluster-strategies' rounds take minutes each, so it runs 2 unless told; a --repeats given is kept
   // whatever its value (5 included).
   const int repeats = f.repeats > 0 ? f.repeats : f.name == "cluster-strategies" ? 2 : 5;
-  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.rates, f.keep};
+  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.schedules, f.rates, f.keep};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
   if (f.name == "serve-replay") return bench::serve_replay(opt);

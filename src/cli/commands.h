@@ -52,8 +52,9 @@ struct BenchFlags {
   bool skip_torch = false;
   bool json = false;
   std::string html;  // --report FILE (strategies, cluster-strategies)
-  std::string only;  // --only TEXT (cluster-strategies)
+  std::string only;  // --only TEXT (cluster-strategies, serve, cluster-serve)
   std::vector<double> rates;  // --rates CHAT,LONG (serve, cluster-serve)
+  std::vector<std::string> schedules;  // --schedules A,B (serve, cluster-serve)
   std::string keep;  // --keep DIR (cluster-strategies)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
