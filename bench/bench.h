@@ -65,8 +65,10 @@ struct BenchOptions {
   bool json = false;       // the report as one JSON document (bench/report.h)
   std::string html;        // strategies, cluster-strategies: also draw their runs' metrics (moe report) here
   std::string only;        // cluster-strategies: only configurations whose name (2x1-1gbit-skew1.5) contains it;
-                           // serve, cluster-serve: only the workloads whose name (chat, long prompts) does
+                           // serve, cluster-serve, serve-replay, cluster-serve-replay: only the workloads
+                           // whose name (chat, long prompts) does
   std::vector<std::string> schedules;  // serve, cluster-serve: the schedules to run (ep among them); empty: all
+  int in_flight = 0;       // serve-replay, cluster-serve-replay: sequences in flight; 0: the workload's clients
   std::vector<double> rates;  // serve, cluster-serve: arrivals per second per workload (chat, long prompts);
                               // empty: 70% of ep's closed-loop throughput, measured first
   std::string keep;        // cluster-strategies: copy the runs' files and calibrated clusters to this folder

@@ -77,6 +77,14 @@ const std::vector<Workload>& serve_workloads() {
   return w;
 }
 
+bool some_workload_matches(const BenchOptions& opt, const char* bench) {
+  if (std::any_of(serve_workloads().begin(), serve_workloads().end(),
+                  [&](const Workload& w) { return w.name.find(opt.only) != std::string::npos; }))
+    return true;
+  std::fprintf(stderr, "moe bench %s: no workload's name contains \"%s\" (chat, long prompts)\n", bench, opt.only.c_str());
+  return false;
+}
+
 const std::vector<std::string>& serve_schedules() {
   static const std::vector<std::string> s = {"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"};
   return s;
@@ -400,15 +408,6 @@ class NetnsGuard {
   int home_ = -1;
   bool entered_ = false;
 };
-
-// False, said on stderr, where --only leaves no workload.
-bool some_workload_matches(const BenchOptions& opt, const char* bench) {
-  if (std::any_of(serve_workloads().begin(), serve_workloads().end(),
-                  [&](const Workload& w) { return w.name.find(opt.only) != std::string::npos; }))
-    return true;
-  std::fprintf(stderr, "moe bench %s: no workload's name contains \"%s\" (chat, long prompts)\n", bench, opt.only.c_str());
-  return false;
-}
 
 int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch, const std::string& checkpoint) {
   BenchOptions shown = opt;  // the header's threads: each server rank's (start_server's --threads 1)

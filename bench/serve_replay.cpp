@@ -166,7 +166,9 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
   std::unique_ptr<Report> report;
   if (lead) report = std::make_unique<Report>("serve-replay", "the ranks of moe bench serve-replay", opt);
 
-  for (const Workload& w : serve_workloads()) {
+  for (Workload w : serve_workloads()) {
+    if (w.name.find(opt.only) == std::string::npos) continue;
+    if (opt.in_flight > 0) w.clients = opt.in_flight;
     std::vector<Prompt> prompts;
     check(make_prompts(w, w.max_tokens, &prompts));
     std::vector<Contender> contenders;
@@ -339,7 +341,13 @@ int report_ranks(const std::string& bench, const std::string& where, const std::
                 "every serving schedule on the same forwards, on " + where + " (1 thread each): bench serve's "
                 "workloads in closed loop, teacher-forced; " + std::to_string(opt.repeats * kForwardsPerRound) +
                 " timed forwards per schedule and workload", shown);
-  const std::string cmd = launch + " bench serve-replay --json --repeats " + std::to_string(opt.repeats);
+  std::string cmd = launch + " bench serve-replay --json --repeats " + std::to_string(opt.repeats);
+  if (!opt.only.empty()) {  // in single quotes, each ' in it as '\''
+    std::string quoted = "'";
+    for (char c : opt.only) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    cmd += " --only " + quoted + "'";
+  }
+  if (opt.in_flight > 0) cmd += " --in-flight " + std::to_string(opt.in_flight);
   std::string out;  // the ranks' stdout: their report's JSON alone
   FILE* f = ::popen(cmd.c_str(), "r");
   if (!f) {
@@ -362,6 +370,7 @@ int report_ranks(const std::string& bench, const std::string& where, const std::
 }  // namespace
 
 int serve_replay(const BenchOptions& opt) {
+  if (!some_workload_matches(opt, "serve-replay")) return 2;
   if (comm::started_by_mpirun()) return replay_ranks(opt);
   const ScratchDir scratch("moe_bench_serve_replay_");
   const std::string checkpoint = bench_checkpoint(scratch);
@@ -372,6 +381,7 @@ int serve_replay(const BenchOptions& opt) {
 }
 
 int cluster_serve_replay(const BenchOptions& opt) {
+  if (!some_workload_matches(opt, "cluster-serve-replay")) return 2;
   const ScratchDir scratch("moe_bench_serve_replay_");
   const std::string checkpoint = bench_checkpoint(scratch);
   if (checkpoint.empty()) return 1;

@@ -28,6 +28,8 @@ struct Workload {
 };
 // chat (32-64 prompt bytes, 48 new tokens, 8 slots per rank) and long prompts (96-120, 8, 32).
 const std::vector<Workload>& serve_workloads();
+// False, said on stderr as "moe bench <bench>: ...", where opt.only leaves no workload.
+bool some_workload_matches(const BenchOptions& opt, const char* bench);
 // bench serve's schedules, all of `moe serve --schedule`'s: ideal, ep, lina, lina-no-estimate, lina-no-phase2.
 const std::vector<std::string>& serve_schedules();
 

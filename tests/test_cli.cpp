@@ -103,7 +103,8 @@ TEST_F(CliTest, EveryBadFlagExits2) {
        {"train --nosuchflag", "train --steps -1", "bench nosuch", "report --nosuch", "generate", "serve --nosuch",
         "sim --cluster nowhere", "sim --cluster p4d.24xlarge --steps 0", "cluster nosuch", "cluster up --bogus",
         "bench serve --schedules lina", "bench serve --schedules ep,nosuch", "bench serve --only nosuch",
-        "bench decode --schedules ep", "nosuchcommand"}) {
+        "bench decode --schedules ep", "bench decode --in-flight 4", "bench serve-replay --only nosuch",
+        "nosuchcommand"}) {
     const Result r = run_moe(args);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
     EXPECT_FALSE(r.output.empty()) << args << ": no message";

@@ -31,12 +31,17 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                 "(cluster-strategies: one page per configuration, FILE's name with the configuration inserted)");
   c->add_option("--only", f->only,
                 "cluster-strategies: only the configurations whose name contains TEXT (names such as 2x1-1gbit-skew1.5, "
-                "2x2-10gbit-skew0); serve, cluster-serve: only the workloads whose name contains it (chat, long prompts)");
+                "2x2-10gbit-skew0); serve, cluster-serve, serve-replay, cluster-serve-replay: only the workloads whose name "
+                "contains it (chat, long prompts)");
   c->add_option("--schedules", f->schedules,
                 "serve, cluster-serve: only these schedules, ep among them (the reference), e.g. ep,lina for more "
                 "rounds of the pair in the same time (default: ideal, ep, lina, lina-no-estimate, lina-no-phase2)")
       ->delimiter(',')
       ->check(CLI::IsMember({"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"}));
+  c->add_option("--in-flight", f->in_flight,
+                "serve-replay, cluster-serve-replay: sequences in flight at once (default: the workload's closed "
+                "loop, 8 for chat and 32 for long prompts; bench serve's open loop at 70% load keeps fewer)")
+      ->check(CLI::PositiveNumber);
   c->add_option("--keep", f->keep,
                 "cluster-strategies: copy every run's metrics, the calibration runs and each configuration's "
                 "calibrated cluster JSON to DIR, with runs.tsv saying which file is which run");
@@ -56,8 +61,13 @@ int run_bench(const BenchFlags& f) {
     return 2;
   }
   const bool serving = f.name == "serve" || f.name == "cluster-serve";
-  if (!f.only.empty() && f.name != "cluster-strategies" && !serving) {
-    std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies, serve and cluster-serve\n", f.name.c_str());
+  const bool replay = f.name == "serve-replay" || f.name == "cluster-serve-replay";
+  if (!f.only.empty() && f.name != "cluster-strategies" && !serving && !replay) {
+    std::fprintf(stderr, "moe bench %s: --only is for cluster-strategies and the serving benches\n", f.name.c_str());
+    return 2;
+  }
+  if (f.in_flight > 0 && !replay) {
+    std::fprintf(stderr, "moe bench %s: --in-flight is for serve-replay and cluster-serve-replay\n", f.name.c_str());
     return 2;
   }
   if (!f.schedules.empty() && !serving) {
@@ -85,7 +95,8 @@ int run_bench(const BenchFlags& f) {
   // cluster-strategies' rounds take minutes each, so it runs 2 unless told; a --repeats given is kept
   // whatever its value (5 included).
   const int repeats = f.repeats > 0 ? f.repeats : f.name == "cluster-strategies" ? 2 : 5;
-  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.schedules, f.rates, f.keep};
+  bench::BenchOptions opt{f.threads, repeats, f.skip_torch, f.json, f.html, f.only, f.schedules, f.in_flight,
+                          f.rates, f.keep};
   if (f.name == "decode") return bench::decode(opt);
   if (f.name == "serve") return bench::serve(opt);
   if (f.name == "serve-replay") return bench::serve_replay(opt);

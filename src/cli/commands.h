@@ -52,9 +52,10 @@ struct BenchFlags {
   bool skip_torch = false;
   bool json = false;
   std::string html;  // --report FILE (strategies, cluster-strategies)
-  std::string only;  // --only TEXT (cluster-strategies, serve, cluster-serve)
+  std::string only;  // --only TEXT (cluster-strategies and the serving benches)
   std::vector<double> rates;  // --rates CHAT,LONG (serve, cluster-serve)
   std::vector<std::string> schedules;  // --schedules A,B (serve, cluster-serve)
+  int in_flight = 0;  // --in-flight N (serve-replay, cluster-serve-replay)
   std::string keep;  // --keep DIR (cluster-strategies)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchFlags* flags);
