@@ -81,7 +81,8 @@ bool some_workload_matches(const BenchOptions& opt, const char* bench) {
   if (std::any_of(serve_workloads().begin(), serve_workloads().end(),
                   [&](const Workload& w) { return w.name.find(opt.only) != std::string::npos; }))
     return true;
-  std::fprintf(stderr, "moe bench %s: no workload's name contains \"%s\" (chat, long prompts)\n", bench, opt.only.c_str());
+  std::fprintf(stderr, "moe bench %s: no workload's name contains \"%s\" (chat, long prompts)\n", bench,
+               opt.only.c_str());
   return false;
 }
 

@@ -31,8 +31,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                 "(cluster-strategies: one page per configuration, FILE's name with the configuration inserted)");
   c->add_option("--only", f->only,
                 "cluster-strategies: only the configurations whose name contains TEXT (names such as 2x1-1gbit-skew1.5, "
-                "2x2-10gbit-skew0); serve, cluster-serve, serve-replay, cluster-serve-replay: only the workloads whose name "
-                "contains it (chat, long prompts)");
+                "2x2-10gbit-skew0); serve, cluster-serve, serve-replay, cluster-serve-replay: only the workloads "
+                "whose name contains it (chat, long prompts)");
   c->add_option("--schedules", f->schedules,
                 "serve, cluster-serve: only these schedules, ep among them (the reference), e.g. ep,lina for more "
                 "rounds of the pair in the same time (default: ideal, ep, lina, lina-no-estimate, lina-no-phase2)")
