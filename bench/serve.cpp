@@ -77,9 +77,13 @@ const std::vector<Workload>& serve_workloads() {
   return w;
 }
 
+bool workload_selected(const Workload& w, const BenchOptions& opt) {
+  return w.name.find(opt.only) != std::string::npos;
+}
+
 bool some_workload_matches(const BenchOptions& opt, const char* bench) {
   if (std::any_of(serve_workloads().begin(), serve_workloads().end(),
-                  [&](const Workload& w) { return w.name.find(opt.only) != std::string::npos; }))
+                  [&](const Workload& w) { return workload_selected(w, opt); }))
     return true;
   std::fprintf(stderr, "moe bench %s: no workload's name contains \"%s\" (chat, long prompts)\n", bench,
                opt.only.c_str());
@@ -420,7 +424,7 @@ int serve_on(const Place& at, const BenchOptions& opt, const ScratchDir& scratch
   const std::string log = (scratch.path() / "serve.log").string();
   for (size_t i = 0; i < serve_workloads().size(); ++i) {
     const Workload& w = serve_workloads()[i];
-    if (w.name.find(opt.only) == std::string::npos) continue;
+    if (!workload_selected(w, opt)) continue;
     const double fixed_rate = opt.rates.empty() ? 0 : opt.rates[i];
     if (!run_workload(at, checkpoint, w, fixed_rate, opt, log + "." + std::to_string(w.slots_per_rank), report)) return 1;
   }

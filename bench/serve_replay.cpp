@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -44,9 +45,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using serve::Schedule;
 
+// serve_schedules(), as the engine's enum.
 const std::vector<Schedule>& replay_schedules() {
-  static const std::vector<Schedule> s = {Schedule::ideal, Schedule::ep, Schedule::lina, Schedule::lina_no_estimate,
-                                          Schedule::lina_no_phase2};
+  static const std::vector<Schedule> s = [] {
+    std::vector<Schedule> parsed;
+    for (const std::string& name : serve_schedules()) {
+      Schedule one;
+      if (!serve::parse_schedule(name, &one)) throw std::logic_error("serve_schedules: unknown schedule " + name);
+      parsed.push_back(one);
+    }
+    return parsed;
+  }();
   return s;
 }
 // ep's place in replay_schedules(): the reference every forward is compared with.
@@ -167,7 +176,7 @@ int replay_ranks_or_throw(const BenchOptions& opt) {
   if (lead) report = std::make_unique<Report>("serve-replay", "the ranks of moe bench serve-replay", opt);
 
   for (Workload w : serve_workloads()) {
-    if (w.name.find(opt.only) == std::string::npos) continue;
+    if (!workload_selected(w, opt)) continue;
     if (opt.in_flight > 0) w.clients = opt.in_flight;
     std::vector<Prompt> prompts;
     check(make_prompts(w, w.max_tokens, &prompts));

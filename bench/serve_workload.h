@@ -28,9 +28,12 @@ struct Workload {
 };
 // chat (32-64 prompt bytes, 48 new tokens, 8 slots per rank) and long prompts (96-120, 8, 32).
 const std::vector<Workload>& serve_workloads();
+// Whether --only (opt.only) selects w: its name contains the text (every workload when empty).
+bool workload_selected(const Workload& w, const BenchOptions& opt);
 // False, said on stderr as "moe bench <bench>: ...", where opt.only leaves no workload.
 bool some_workload_matches(const BenchOptions& opt, const char* bench);
-// bench serve's schedules, all of `moe serve --schedule`'s: ideal, ep, lina, lina-no-estimate, lina-no-phase2.
+// The serving benches' schedules, all of `moe serve --schedule`'s, in their tables' order: ideal, ep, lina,
+// lina-no-estimate, lina-no-phase2 (serve::schedule_name's names; serve-replay parses them).
 const std::vector<std::string>& serve_schedules();
 
 // 400 prompts of w's lengths: windows of the Python docs' validation split and, one in five, of the

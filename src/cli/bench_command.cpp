@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "bench/bench.h"
+#include "bench/serve_workload.h"
 #include "cli/commands.h"
 
 namespace moe::cli {
@@ -37,7 +38,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchFlags* f) {
                 "serve, cluster-serve: only these schedules, ep among them (the reference), e.g. ep,lina for more "
                 "rounds of the pair in the same time (default: ideal, ep, lina, lina-no-estimate, lina-no-phase2)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"ideal", "ep", "lina", "lina-no-estimate", "lina-no-phase2"}));
+      ->check(CLI::IsMember(bench::serve_schedules()));
   c->add_option("--in-flight", f->in_flight,
                 "serve-replay, cluster-serve-replay: sequences in flight at once (default: the workload's closed "
                 "loop, 8 for chat and 32 for long prompts; bench serve's open loop at 70% load keeps fewer)")
